@@ -1,0 +1,67 @@
+"""Stage 7: cut tokenized chunks into training batches of exactly ``batch_size`` rows.
+
+Chunks rarely hold a multiple of ``batch_size`` cells, so the rows left over at the end of a
+chunk are carried into the first batch of the next one; only the last batch of an epoch can
+be short (or dropped with ``drop_last``). Full batches inside a chunk are zero-copy views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+Arrays = Mapping[str, np.ndarray]
+
+
+class Batcher:
+    """Accumulates row-aligned arrays and emits fixed-size batches, one epoch at a time."""
+
+    def __init__(self, batch_size: int, *, drop_last: bool = False):
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self._pending: list[Arrays] = []
+        self._pending_rows = 0
+
+    def add(self, arrays: Arrays) -> Iterator[dict[str, np.ndarray]]:
+        """Yield every batch completed by appending ``arrays`` (all of equal length)."""
+        n = _rows(arrays)
+        start = 0
+        if self._pending_rows:
+            start = min(self.batch_size - self._pending_rows, n)
+            self._pending.append(_slice(arrays, 0, start))
+            self._pending_rows += start
+            if self._pending_rows < self.batch_size:
+                return
+            yield self._take_pending()
+        full_end = start + (n - start) // self.batch_size * self.batch_size
+        for i in range(start, full_end, self.batch_size):
+            yield _slice(arrays, i, i + self.batch_size)
+        if full_end < n:
+            self._pending.append(_slice(arrays, full_end, n))
+            self._pending_rows += n - full_end
+
+    def finish(self) -> Iterator[dict[str, np.ndarray]]:
+        """End the epoch: yield the short last batch unless ``drop_last``, then reset."""
+        if self._pending_rows and not self.drop_last:
+            yield self._take_pending()
+        self._pending, self._pending_rows = [], 0
+
+    def _take_pending(self) -> dict[str, np.ndarray]:
+        parts, self._pending, self._pending_rows = self._pending, [], 0
+        if len(parts) == 1:
+            return dict(parts[0])
+        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _rows(arrays: Arrays) -> int:
+    lengths = {len(v) for v in arrays.values()}
+    if len(lengths) != 1:
+        raise ValueError(f"arrays must have equal lengths, got {sorted(lengths)}")
+    return lengths.pop()
+
+
+def _slice(arrays: Arrays, start: int, stop: int) -> dict[str, np.ndarray]:
+    return {k: v[start:stop] for k, v in arrays.items()}

@@ -1,0 +1,148 @@
+"""Stage 4: assemble a fetch's record batches into a chunk of whole cells, and shuffle it.
+
+A :class:`Chunk` holds every expression row of its cells as flat numpy arrays in CSR layout.
+It is built from exactly the rows of one fetch, so a cell never straddles two chunks, and the
+rows are checked against the cell ranges they were read for: data that contradicts
+``cell_start_index`` or its sort order fails loudly here rather than silently shifting cells.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from slafload.errors import InconsistentDataError
+from slafload.samplers import Fetch
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """All expression rows of a set of whole cells.
+
+    Attributes:
+        fetch_index: Index of the fetch this chunk was read for.
+        cell_ids: ``int64[n]`` cell ids in read order.
+        indptr: ``int64[n + 1]`` offsets: cell ``i``'s rows are ``indptr[i]:indptr[i + 1]``.
+        genes: Gene ids of the rows (the table's integer dtype), ascending within a cell.
+        values: Expression values of the rows (the table's numeric dtype).
+        order: ``int64[n]`` output order: output row ``j`` is chunk cell ``order[j]``.
+    """
+
+    fetch_index: int
+    cell_ids: np.ndarray
+    indptr: np.ndarray
+    genes: np.ndarray
+    values: np.ndarray
+    order: np.ndarray
+
+    @property
+    def n_cells(self) -> int:
+        return len(self.cell_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.indptr)
+
+
+def assemble(
+    fetch: Fetch, batches: Iterable[pa.RecordBatch], cell_start: np.ndarray, *, uri: str = ""
+) -> Chunk:
+    """Concatenate a fetch's record batches into a :class:`Chunk`, validating every row.
+
+    Raises:
+        InconsistentDataError: the rows do not belong to the fetch's cells in order, a cell's
+            genes are not strictly ascending, or a value is negative or NaN.
+    """
+    cell_ids = fetch.cell_ids()
+    lengths = cell_start[cell_ids + 1] - cell_start[cell_ids]
+    indptr = np.zeros(len(cell_ids) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    batch_list = list(batches)
+    table = pa.Table.from_batches(batch_list) if batch_list else None
+    n_rows = 0 if table is None else table.num_rows
+    where = f"expression.lance of {uri!r}, fetch {fetch.index}"
+    if n_rows != indptr[-1]:
+        raise InconsistentDataError(
+            f"{where}: read {n_rows} rows for cells {fetch!r} but cell_start_index says "
+            f"{indptr[-1]}. The table changed under a pinned version or is corrupt."
+        )
+    if n_rows == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Chunk(
+            fetch.index,
+            cell_ids,
+            indptr,
+            empty,
+            empty.astype(np.float32),
+            np.arange(len(cell_ids), dtype=np.int64),
+        )
+    row_cells = _column(table, "cell_integer_id")
+    genes = _column(table, "gene_integer_id")
+    values = _column(table, "value")
+    expected = np.repeat(cell_ids, lengths)
+    if not np.array_equal(row_cells, expected):
+        bad = int(np.flatnonzero(row_cells != expected)[0])
+        raise InconsistentDataError(
+            f"{where}: row {bad} of the chunk belongs to cell {row_cells[bad]} but "
+            f"cell_start_index places it in cell {expected[bad]}. Expression rows must be "
+            "sorted by cell_integer_id and agree with cells.cell_start_index."
+        )
+    _check_genes_ascending(genes, indptr, cell_ids, where)
+    _check_values(values, where)
+    return Chunk(
+        fetch.index, cell_ids, indptr, genes, values, np.arange(len(cell_ids), dtype=np.int64)
+    )
+
+
+def shuffle(chunk: Chunk, seed: int | None) -> Chunk:
+    """Return ``chunk`` with a seeded random output order (``seed=None`` keeps read order)."""
+    if seed is None:
+        return chunk
+    order = np.random.default_rng(seed).permutation(chunk.n_cells).astype(np.int64)
+    return dataclasses.replace(chunk, order=order)
+
+
+def _column(table: pa.Table, name: str) -> np.ndarray:
+    column = table.column(name)
+    if column.null_count:
+        raise InconsistentDataError(
+            f"expression column {name!r} holds {column.null_count} "
+            "nulls; SLAF expression rows must be complete."
+        )
+    return column.combine_chunks().to_numpy(zero_copy_only=False)
+
+
+def _check_genes_ascending(
+    genes: np.ndarray, indptr: np.ndarray, cell_ids: np.ndarray, where: str
+) -> None:
+    step_ok = genes[1:] > genes[:-1]
+    if step_ok.all():
+        return
+    # A step may only go down where a new cell starts.
+    boundary = np.zeros(len(genes) - 1, dtype=bool)
+    starts = indptr[1:-1]
+    boundary[starts[(starts > 0) & (starts < len(genes))] - 1] = True
+    bad = np.flatnonzero(~step_ok & ~boundary)
+    if len(bad):
+        cell = cell_ids[np.searchsorted(indptr, bad[0], side="right") - 1]
+        raise InconsistentDataError(
+            f"{where}: the genes of cell {cell} are not strictly ascending (gene "
+            f"{genes[bad[0] + 1]} follows {genes[bad[0]]}). Expression rows must be sorted by "
+            "cell then gene, with no duplicate (cell, gene) pairs."
+        )
+
+
+def _check_values(values: np.ndarray, where: str) -> None:
+    if values.dtype.kind == "u":
+        return
+    bad = np.isnan(values) | (values < 0) if values.dtype.kind == "f" else values < 0
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise InconsistentDataError(
+            f"{where}: value {values[i]} at chunk row {i} is negative or NaN; expression "
+            "values must be non-negative numbers."
+        )

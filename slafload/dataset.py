@@ -1,0 +1,377 @@
+"""Stage 1: open a SLAF dataset, validate it, and pin its Lance versions.
+
+A SLAF dataset is a directory (or object-store prefix) holding ``config.json`` and three Lance
+tables: ``expression`` (one row per non-zero, sorted by cell then gene), ``cells`` (one row per
+cell, with ``cell_start_index``, the CSR row offset of each cell) and ``genes``. See
+``docs/format.md``.
+
+Opening is cheap (``O(n_cells)``: it reads the two integer columns of ``cells``) and checks
+everything that can be checked without scanning the expression table. What can only be seen in
+the expression rows (sort order, value range) is checked chunk by chunk as it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import lance
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.types as pat
+
+from slafload.errors import (
+    ConfigError,
+    DatasetError,
+    DatasetNotFoundError,
+    InconsistentDataError,
+    MissingTableError,
+    SchemaError,
+)
+
+logger = logging.getLogger(__name__)
+
+TABLES = ("expression", "cells", "genes")
+_SPOT_CHECKS = 32
+
+
+@dataclass(frozen=True, eq=False)
+class SlafDataset:
+    """An opened, validated SLAF dataset with every table pinned to one Lance version.
+
+    Attributes:
+        uri: Dataset directory or URI, as given to :func:`open_dataset`.
+        config: Parsed ``config.json``.
+        expression, cells, genes: Lance datasets checked out at the pinned versions.
+        cell_start: ``int64[n_cells + 1]`` CSR offsets: the rows of cell ``c`` are
+            ``expression[cell_start[c]:cell_start[c + 1]]``.
+        storage_options: Lance storage options used to open the tables (object stores).
+    """
+
+    uri: str
+    config: Mapping[str, Any]
+    expression: lance.LanceDataset
+    cells: lance.LanceDataset
+    genes: lance.LanceDataset
+    cell_start: np.ndarray
+    storage_options: Mapping[str, str] | None = field(default=None, repr=False)
+
+    @property
+    def n_cells(self) -> int:
+        return len(self.cell_start) - 1
+
+    @property
+    def n_genes(self) -> int:
+        return self.genes.count_rows()
+
+    @property
+    def n_rows(self) -> int:
+        """Number of stored non-zeros (expression rows)."""
+        return int(self.cell_start[-1])
+
+    @property
+    def versions(self) -> dict[str, int]:
+        """The pinned Lance version of each table."""
+        return {
+            "expression": self.expression.version,
+            "cells": self.cells.version,
+            "genes": self.genes.version,
+        }
+
+    @property
+    def value_type(self) -> pa.DataType:
+        return self.expression.schema.field("value").type
+
+    @property
+    def gene_type(self) -> pa.DataType:
+        return self.expression.schema.field("gene_integer_id").type
+
+    def obs(self, columns: list[str] | None = None) -> pl.DataFrame:
+        """Cell metadata (the ``cells`` table) in cell-id order."""
+        return pl.from_arrow(self.cells.to_table(columns=columns))
+
+    def var(self, columns: list[str] | None = None) -> pl.DataFrame:
+        """Gene metadata (the ``genes`` table) in gene-id order."""
+        return pl.from_arrow(self.genes.to_table(columns=columns))
+
+    def __repr__(self) -> str:
+        return (
+            f"SlafDataset({self.uri!r}, n_cells={self.n_cells:,}, n_genes={self.n_genes:,}, "
+            f"n_rows={self.n_rows:,}, versions={self.versions})"
+        )
+
+
+def open_dataset(
+    uri: str | os.PathLike[str],
+    *,
+    version: int | Mapping[str, int] | None = None,
+    storage_options: Mapping[str, str] | None = None,
+) -> SlafDataset:
+    """Open and validate a SLAF dataset, pinning each table's Lance version.
+
+    Args:
+        uri: Local directory or object-store URI (``s3://bucket/atlas.slaf``) of the dataset.
+        version: Lance version of the expression table to pin (an ``int``), or a mapping
+            ``{"expression": v, "cells": v, "genes": v}``. ``None`` pins the latest versions.
+        storage_options: Lance storage options for object stores (credentials, endpoint).
+
+    Raises:
+        DatasetNotFoundError: ``uri`` does not exist.
+        ConfigError: ``config.json`` is missing, unreadable or disagrees with the tables.
+        MissingTableError: a table is absent or unreadable.
+        SchemaError: a required column is missing or has the wrong type.
+        InconsistentDataError: offsets, ids or counts contradict each other.
+    """
+    uri = os.fspath(uri)
+    opts = dict(storage_options) if storage_options else None
+    config = _read_config(uri, opts)
+    versions = _requested_versions(version)
+    tables = {name: _open_table(uri, config, name, versions.get(name), opts) for name in TABLES}
+    _check_schema(uri, tables)
+    cell_start = _cell_offsets(uri, tables)
+    _check_counts(uri, config, tables, cell_start)
+    _spot_check_expression(uri, tables["expression"], cell_start)
+    ds = SlafDataset(uri=uri, config=config, cell_start=cell_start, storage_options=opts, **tables)
+    logger.info("opened %r", ds)
+    return ds
+
+
+def _join(uri: str, name: str) -> str:
+    return uri.rstrip("/") + "/" + name
+
+
+def _read_config(uri: str, storage_options: dict[str, str] | None) -> dict[str, Any]:
+    path = _join(uri, "config.json")
+    if "://" not in uri:
+        if not os.path.isdir(uri):
+            raise DatasetNotFoundError(
+                f"No SLAF dataset at {uri!r}: the directory does not exist. Pass the directory "
+                "that holds config.json, expression.lance, cells.lance and genes.lance."
+            )
+        if not os.path.exists(path):
+            raise ConfigError(
+                f"{path!r} is missing: {uri!r} is not a SLAF dataset. Write one with "
+                "slafload.synthetic.write_atlas, `slafload convert`, or slafdb's converter."
+            )
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise ConfigError(
+                f"Cannot read {path!r}: {exc}. Check the file's permissions."
+            ) from exc
+    else:
+        text = _read_remote_text(path, storage_options)
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path!r} is not valid JSON ({exc}). Restore or rewrite it.") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path!r} must hold a JSON object, found {type(config).__name__}.")
+    return config
+
+
+def _read_remote_text(path: str, storage_options: dict[str, str] | None) -> str:
+    """Read a small file from an object store with pyarrow, honouring Lance-style options."""
+    opts = storage_options or {}
+    try:
+        if path.startswith("s3://"):
+            endpoint = opts.get("aws_endpoint") or opts.get("endpoint")
+            fs = pafs.S3FileSystem(
+                access_key=opts.get("aws_access_key_id"),
+                secret_key=opts.get("aws_secret_access_key"),
+                region=opts.get("aws_region") or opts.get("region"),
+                endpoint_override=endpoint,
+                scheme="http" if endpoint and endpoint.startswith("http://") else "https",
+            )
+            key = path[len("s3://") :]
+        else:
+            fs, key = pafs.FileSystem.from_uri(path)
+        with fs.open_input_stream(key) as fh:
+            return fh.read().decode("utf-8")
+    except FileNotFoundError as exc:
+        raise ConfigError(f"{path!r} is missing: the URI is not a SLAF dataset.") from exc
+    except OSError as exc:
+        raise DatasetNotFoundError(f"Cannot read {path!r}: {exc}") from exc
+
+
+def _requested_versions(version: int | Mapping[str, int] | None) -> dict[str, int]:
+    if version is None:
+        return {}
+    if isinstance(version, int):
+        return {"expression": version}
+    unknown = set(version) - set(TABLES)
+    if unknown:
+        raise ValueError(f"version names unknown tables {sorted(unknown)}; allowed: {TABLES}")
+    return dict(version)
+
+
+def _open_table(
+    uri: str,
+    config: Mapping[str, Any],
+    name: str,
+    version: int | None,
+    storage_options: dict[str, str] | None,
+) -> lance.LanceDataset:
+    tables = config.get("tables") or {}
+    path = _join(uri, tables.get(name, f"{name}.lance"))
+    if "://" not in path and not os.path.isdir(path):
+        raise MissingTableError(
+            f"The {name} table {path!r} is missing. A SLAF dataset needs expression.lance, "
+            "cells.lance and genes.lance beside config.json."
+        )
+    try:
+        return lance.dataset(path, version=version, storage_options=storage_options)
+    except Exception as exc:  # Lance raises plain OSError/ValueError with Rust messages.
+        raise MissingTableError(
+            f"Cannot open the {name} table {path!r}"
+            + (f" at version {version}" if version is not None else "")
+            + f": {exc}"
+        ) from exc
+
+
+def _check_schema(uri: str, tables: Mapping[str, lance.LanceDataset]) -> None:
+    required = {
+        "expression": {
+            "cell_integer_id": pat.is_integer,
+            "gene_integer_id": pat.is_integer,
+            "value": lambda t: pat.is_integer(t) or pat.is_floating(t),
+        },
+        "cells": {"cell_integer_id": pat.is_integer},
+        "genes": {},
+    }
+    for name, columns in required.items():
+        schema = tables[name].schema
+        for column, ok in columns.items():
+            idx = schema.get_field_index(column)
+            if idx < 0:
+                raise SchemaError(
+                    f"{name}.lance in {uri!r} has no column {column!r} (columns: "
+                    f"{schema.names}). Rewrite the dataset in the SLAF layout."
+                )
+            typ = schema.field(idx).type
+            if not ok(typ):
+                kind = "numeric" if column == "value" else "integer"
+                raise SchemaError(
+                    f"{name}.lance column {column!r} in {uri!r} has type {typ}; it must be "
+                    f"{kind}. Cast it when writing the dataset."
+                )
+    start = tables["cells"].schema.get_field_index("cell_start_index")
+    if start >= 0 and not pat.is_integer(tables["cells"].schema.field(start).type):
+        raise SchemaError(
+            f"cells.lance column 'cell_start_index' in {uri!r} has type "
+            f"{tables['cells'].schema.field(start).type}; it must be integer."
+        )
+
+
+def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> np.ndarray:
+    """CSR offsets ``int64[n_cells + 1]`` from ``cells.cell_start_index``."""
+    cells = tables["cells"]
+    n_rows = tables["expression"].count_rows()
+    has_start = "cell_start_index" in cells.schema.names
+    columns = ["cell_integer_id", "cell_start_index"] if has_start else ["cell_integer_id"]
+    table = cells.to_table(columns=columns)
+    ids = table.column("cell_integer_id").to_numpy()
+    if len(ids) == 0:
+        raise DatasetError(f"{uri!r} has no cells: cells.lance is empty. Nothing to load.")
+    if not np.array_equal(ids, np.arange(len(ids))):
+        bad = int(np.flatnonzero(ids != np.arange(len(ids)))[0])
+        raise InconsistentDataError(
+            f"cells.lance in {uri!r}: cell_integer_id must be 0..n_cells-1 in order, but row "
+            f"{bad} holds {ids[bad]}. Sort the cells table by cell_integer_id and renumber."
+        )
+    if has_start:
+        start = table.column("cell_start_index").to_numpy().astype(np.int64)
+    else:
+        logger.warning(
+            "cells.lance in %r has no cell_start_index; computing it by scanning "
+            "expression.cell_integer_id (slow on large datasets)",
+            uri,
+        )
+        start = _offsets_by_scan(tables["expression"], len(ids))
+    offsets = np.append(start, np.int64(n_rows))
+    steps = np.diff(offsets)
+    if offsets[0] != 0 or (steps < 0).any():
+        bad = 0 if offsets[0] != 0 else int(np.flatnonzero(steps < 0)[0]) + 1
+        what = "the expression row count" if bad == len(ids) else f"cell_start_index of cell {bad}"
+        raise InconsistentDataError(
+            f"cells.lance in {uri!r}: cell_start_index must start at 0 and never decrease, "
+            f"ending at or below the expression row count ({n_rows}); {what} breaks this "
+            f"(value {offsets[bad]}). Recompute cell_start_index as the CSR indptr."
+        )
+    return offsets
+
+
+def _offsets_by_scan(expression: lance.LanceDataset, n_cells: int) -> np.ndarray:
+    counts = np.zeros(n_cells, dtype=np.int64)
+    for batch in expression.to_batches(columns=["cell_integer_id"]):
+        ids = batch.column(0).to_numpy()
+        counts += np.bincount(ids, minlength=n_cells)[:n_cells]
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
+def _check_counts(
+    uri: str,
+    config: Mapping[str, Any],
+    tables: Mapping[str, lance.LanceDataset],
+    cell_start: np.ndarray,
+) -> None:
+    n_cells, n_rows = len(cell_start) - 1, int(cell_start[-1])
+    n_genes = tables["genes"].count_rows()
+    if n_genes == 0:
+        raise DatasetError(f"{uri!r} has no genes: genes.lance is empty. Nothing to load.")
+    actual = {"n_cells": n_cells, "n_genes": n_genes}
+    for key, value in actual.items():
+        stated = config.get(key)
+        if stated is not None and int(stated) != value:
+            raise ConfigError(
+                f"config.json in {uri!r} says {key}={stated} but the tables hold {value}. "
+                "Fix config.json or rewrite the dataset."
+            )
+    shape = config.get("array_shape")
+    if shape is not None and list(shape) != [n_cells, n_genes]:
+        raise ConfigError(
+            f"config.json in {uri!r} says array_shape={list(shape)} but the tables hold "
+            f"[{n_cells}, {n_genes}]. Fix config.json or rewrite the dataset."
+        )
+    stated_rows = (config.get("metadata") or {}).get("expression_count")
+    if stated_rows is not None and int(stated_rows) != n_rows:
+        raise ConfigError(
+            f"config.json in {uri!r} says metadata.expression_count={stated_rows} but "
+            f"cells.cell_start_index and expression.lance imply {n_rows} rows."
+        )
+    stored_rows = tables["expression"].count_rows()
+    if stored_rows != n_rows:
+        raise InconsistentDataError(
+            f"expression.lance in {uri!r} has {stored_rows} rows but cell_start_index ends "
+            f"at {n_rows}. Recompute cell_start_index or rewrite the dataset."
+        )
+
+
+def _spot_check_expression(
+    uri: str, expression: lance.LanceDataset, cell_start: np.ndarray
+) -> None:
+    """Check a few cells' first and last rows carry their cell id (cheap random access)."""
+    lengths = np.diff(cell_start)
+    nonempty = np.flatnonzero(lengths)
+    if len(nonempty) == 0:
+        return
+    cells = nonempty[
+        np.linspace(0, len(nonempty) - 1, min(_SPOT_CHECKS, len(nonempty))).astype(np.int64)
+    ]
+    rows = np.unique(np.concatenate([cell_start[cells], cell_start[cells + 1] - 1]))
+    got = expression.take(rows.tolist(), columns=["cell_integer_id"]).column(0).to_numpy()
+    want = np.searchsorted(cell_start, rows, side="right") - 1
+    if not np.array_equal(got.astype(np.int64), want):
+        bad = int(np.flatnonzero(got != want)[0])
+        raise InconsistentDataError(
+            f"expression.lance in {uri!r}: row {rows[bad]} belongs to cell {got[bad]} but "
+            f"cells.cell_start_index places it in cell {want[bad]}. The expression rows must be "
+            "sorted by cell_integer_id and agree with cell_start_index."
+        )

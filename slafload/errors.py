@@ -1,0 +1,47 @@
+"""Exception classes raised by slafload.
+
+Every error says what was wrong, where, and what to do. Dataset problems subclass
+:class:`DatasetError`; problems while streaming subclass :class:`LoaderError`.
+"""
+
+from __future__ import annotations
+
+
+class SlafloadError(Exception):
+    """Base class of every error slafload raises on purpose."""
+
+
+class DatasetError(SlafloadError, ValueError):
+    """A SLAF dataset is missing, malformed or inconsistent."""
+
+
+class DatasetNotFoundError(DatasetError, FileNotFoundError):
+    """The dataset path or one of its files does not exist."""
+
+
+class ConfigError(DatasetError):
+    """``config.json`` is missing, unreadable or disagrees with the tables."""
+
+
+class MissingTableError(DatasetError):
+    """One of the three Lance tables of the SLAF layout is missing or cannot be opened."""
+
+
+class SchemaError(DatasetError):
+    """A table lacks a required column or a column has the wrong type."""
+
+
+class InconsistentDataError(DatasetError):
+    """The tables disagree with each other (ordering, offsets, counts, value ranges)."""
+
+
+class LoaderError(SlafloadError, RuntimeError):
+    """Streaming failed in a way that is not a property of the dataset itself."""
+
+
+class ReadError(LoaderError):
+    """Reading a fetch from storage failed; the message names the fetch and cell ranges."""
+
+
+class StateError(LoaderError, ValueError):
+    """A ``state_dict`` does not fit the loader it is loaded into."""

@@ -1,0 +1,109 @@
+"""The producer: every stage of the pipeline, run once per fetch on the prefetch thread.
+
+``Pipeline.run`` reads like the data flow: plan an epoch, then for each fetch read its rows,
+assemble a chunk of whole cells, shuffle it, rank genes, tokenize, and cut batches. It holds
+no reference to the :class:`~slafload.loader.Loader`, so a loader dropped mid-epoch can be
+garbage-collected and stop its thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from slafload.batcher import Batcher
+from slafload.chunk import assemble, shuffle
+from slafload.config import LoaderConfig
+from slafload.dataset import SlafDataset
+from slafload.rank import rank
+from slafload.reader import Reader
+from slafload.samplers import Sampler
+from slafload.tokenizers import Tokenizer
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the consumer is: the first ``cells`` cells of ``epoch`` have been handed out."""
+
+    epoch: int = 0
+    cells: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class Delivery:
+    """A batch on its way to the consumer, and the position reached once it is consumed.
+
+    The last batch of an epoch carries ``Position(epoch + 1, 0)``.
+    """
+
+    batch: Batch
+    after: Position
+
+
+@dataclass(frozen=True, eq=False)
+class Pipeline:
+    """Everything the producer needs, immutable for the loader's lifetime."""
+
+    dataset: SlafDataset
+    sampler: Sampler
+    tokenizer: Tokenizer
+    config: LoaderConfig
+    pin_memory: bool = False
+
+    def run(self, start: Position) -> Iterator[Delivery]:
+        """Deliver ``config.n_epochs`` epochs (or forever) starting at ``start``."""
+        cfg = self.config
+        epochs = (
+            itertools.count(start.epoch)
+            if cfg.n_epochs is None
+            else range(start.epoch, start.epoch + cfg.n_epochs)
+        )
+        skip = start.cells
+        for epoch in epochs:
+            last = None
+            for delivery in self.epoch(epoch, skip):
+                if last is not None:
+                    yield last
+                last = delivery
+            if last is not None:  # one batch of lookahead marks the end of the epoch
+                yield Delivery(last.batch, Position(epoch + 1, 0))
+            skip = 0
+
+    def epoch(self, epoch: int, skip: int = 0) -> Iterator[Delivery]:
+        """One epoch's batches, leaving out its first ``skip`` cells (already delivered)."""
+        cfg = self.config
+        reader = Reader(self.dataset, batch_rows=cfg.read_batch_rows)
+        plan = self.sampler.plan(self.dataset.n_cells, seed=cfg.seed, epoch=epoch)
+        batcher = Batcher(cfg.batch_size, drop_last=cfg.drop_last)
+        done, planned = skip, 0
+        for fetch in plan:
+            planned += fetch.n_cells
+            if planned <= skip:
+                continue  # resuming: the consumer already holds every cell of this fetch
+            chunk = assemble(
+                fetch, reader.read(fetch), self.dataset.cell_start, uri=self.dataset.uri
+            )
+            ranked = rank(shuffle(chunk, fetch.shuffle_seed))
+            arrays = dict(self.tokenizer(ranked))
+            arrays["cell_integer_id"] = ranked.output_cell_ids
+            first = skip - (planned - fetch.n_cells)
+            if first > 0:
+                arrays = {k: v[first:] for k, v in arrays.items()}
+            for batch in batcher.add(arrays):
+                done += len(batch["cell_integer_id"])
+                yield Delivery(self.to_torch(batch), Position(epoch, done))
+        for batch in batcher.finish():
+            done += len(batch["cell_integer_id"])
+            yield Delivery(self.to_torch(batch), Position(epoch, done))
+
+    def to_torch(self, arrays: Mapping[str, np.ndarray]) -> Batch:
+        batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+        if self.pin_memory:
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch

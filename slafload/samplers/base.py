@@ -1,0 +1,91 @@
+"""The sampler contract: a deterministic plan of fetches per epoch.
+
+A sampler decides *which cells, in which order*. For an epoch it returns a :class:`Plan`, an
+ordered sequence of :class:`Fetch` objects; each fetch is a list of contiguous cell ranges that
+the reader turns into one prefetch chunk, plus the seed of the in-memory shuffle applied to
+that chunk. Planning is pure index arithmetic on ``(seed, epoch)``: no I/O, no global RNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, overload, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True, eq=False)
+class Fetch:
+    """One prefetch chunk: cell ranges to read together, and how to order them in memory.
+
+    Attributes:
+        index: Position of this fetch in its epoch plan.
+        ranges: ``int64[k, 2]`` half-open cell ranges ``[start, stop)``, in read order.
+        shuffle_seed: Seed of the in-memory cell shuffle of this chunk; ``None`` keeps the
+            cells in range order.
+    """
+
+    index: int
+    ranges: np.ndarray
+    shuffle_seed: int | None = None
+
+    @property
+    def n_cells(self) -> int:
+        return int((self.ranges[:, 1] - self.ranges[:, 0]).sum())
+
+    def cell_ids(self) -> np.ndarray:
+        """The cells of this fetch in read order (before any shuffle)."""
+        lengths = self.ranges[:, 1] - self.ranges[:, 0]
+        offsets = np.repeat(self.ranges[:, 0] - np.cumsum(lengths) + lengths, lengths)
+        return offsets + np.arange(int(lengths.sum()), dtype=np.int64)
+
+    def __repr__(self) -> str:
+        spans = ", ".join(f"[{a}, {b})" for a, b in self.ranges[:4].tolist())
+        more = f", ... {len(self.ranges) - 4} more" if len(self.ranges) > 4 else ""
+        return f"Fetch(index={self.index}, cells={self.n_cells}, ranges={spans}{more})"
+
+
+class Plan(Sequence[Fetch]):
+    """An epoch's ordered fetches. Subclasses build fetches lazily from index arithmetic."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def fetch(self, index: int) -> Fetch:
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, index: int) -> Fetch: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Fetch]: ...
+    def __getitem__(self, index: int | slice) -> Fetch | Sequence[Fetch]:
+        if isinstance(index, slice):
+            return [self.fetch(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"fetch index {index} out of range for a plan of {len(self)}")
+        return self.fetch(index)
+
+    @property
+    def n_cells(self) -> int:
+        """Cells delivered by the whole plan (sum over fetches)."""
+        return sum(f.n_cells for f in self)
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Turns ``(n_cells, seed, epoch)`` into a :class:`Plan`."""
+
+    def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The fetches of one epoch; the same arguments always give the same plan."""
+        ...
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed derived from integer parts, independent across parts."""
+    return int(
+        np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0]
+        >> np.uint64(1)
+    )

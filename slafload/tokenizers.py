@@ -1,0 +1,225 @@
+"""Stage 6: turn a ranked chunk into fixed-shape token arrays, in one vectorized pass.
+
+A tokenizer is any object with a ``name`` and a ``__call__(ranked) -> dict[str, ndarray]``
+whose arrays all have one row per cell of the chunk, in output order. Built-ins:
+
+``geneformer``
+    Rank-value encoding: ``[CLS] g1 g2 ... [SEP] [PAD]...`` of width ``max_genes``, genes in
+    decreasing expression (ties by gene id), as many as fit.
+``scgpt``
+    Two aligned streams of width ``max_genes + 2``: ``input_ids = [CLS] g1..gn [SEP] [PAD]..``
+    and ``values = [PAD] b1..bn [PAD]..`` where ``b`` is scGPT's per-cell quantile bin of the
+    gene's expression (``1..n_bins-1``) plus ``value_offset``.
+``raw``
+    The cell's sparse expression for non-transformer models: ``gene_ids`` (padded with -1),
+    ``values`` (float32, padded with 0) and ``lengths``, highest expression first.
+
+Token conventions are those of slafdb 0.5.2 (PAD=0, CLS=1, SEP=2, MASK=3, gene token = gene
+id + 4, scGPT value tokens offset by 50,000, geneformer truncation keeps CLS and drops SEP) so
+models move between the two; the *content* follows the published methods, which slafdb 0.5.2
+does not (see ``docs/tokenizers.md``). Third-party tokenizers register under the
+``slafload.tokenizers`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from slafload.rank import RankedChunk
+
+PAD, CLS, SEP, MASK = 0, 1, 2, 3
+GENE_OFFSET = 4
+VALUE_OFFSET = 50_000
+ENTRY_POINT_GROUP = "slafload.tokenizers"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Maps a :class:`~slafload.rank.RankedChunk` to equal-length numpy arrays.
+
+    Every returned array has ``ranked.n_cells`` rows, row ``j`` describing output cell
+    ``ranked.order[j]``. Implementations must be vectorized over the chunk.
+    """
+
+    name: str
+
+    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]: ...
+
+
+def _check_max_genes(max_genes: int, minimum: int) -> None:
+    if not isinstance(max_genes, int) or max_genes < minimum:
+        raise ValueError(f"max_genes must be an integer >= {minimum}, got {max_genes!r}")
+
+
+def _scatter(out: np.ndarray, rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
+    """``out[rows, cols] = values`` through the flat view (faster than 2-D fancy indexing)."""
+    out.reshape(-1)[rows * out.shape[1] + cols] = values
+
+
+def _visible(ranked: RankedChunk, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Output rows, ranks and indices of the entries ranked below ``limit``."""
+    rows, ranks = ranked.entry_row, ranked.entry_rank
+    if len(ranks) and ranked.lengths.max() > limit:
+        keep = np.flatnonzero(ranks < limit)
+        return rows[keep], ranks[keep], keep
+    return rows, ranks, slice(None)
+
+
+class Geneformer:
+    """Geneformer rank-value encoding with slafdb's layout (width ``max_genes``)."""
+
+    name = "geneformer"
+
+    def __init__(self, *, max_genes: int = 2048):
+        _check_max_genes(max_genes, 2)
+        self.max_genes = max_genes
+
+    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        width = self.max_genes
+        ids = np.zeros((ranked.n_cells, width), dtype=np.int64)
+        ids[:, 0] = CLS
+        rows, ranks, keep = _visible(ranked, width - 1)
+        _scatter(ids, rows, ranks + 1, ranked.genes[keep].astype(np.int64) + GENE_OFFSET)
+        sep = ranked.output_lengths(width - 1) + 1
+        fits = np.flatnonzero(sep < width)
+        ids[fits, sep[fits]] = SEP
+        return {"input_ids": ids, "attention_mask": ids != PAD}
+
+
+class ScGPT:
+    """scGPT gene ids plus per-cell quantile-binned values, slafdb's dual-stream layout."""
+
+    name = "scgpt"
+
+    def __init__(
+        self, *, max_genes: int = 1024, n_bins: int = 51, value_offset: int = VALUE_OFFSET
+    ):
+        _check_max_genes(max_genes, 1)
+        if not isinstance(n_bins, int) or n_bins < 3:
+            raise ValueError(f"n_bins must be an integer >= 3, got {n_bins!r}")
+        self.max_genes, self.n_bins, self.value_offset = max_genes, n_bins, value_offset
+
+    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        width = self.max_genes + 2
+        ids = np.zeros((ranked.n_cells, width), dtype=np.int64)
+        values = np.zeros((ranked.n_cells, width), dtype=np.int64)
+        ids[:, 0] = CLS
+        rows, ranks, keep = _visible(ranked, self.max_genes)
+        _scatter(ids, rows, ranks + 1, ranked.genes[keep].astype(np.int64) + GENE_OFFSET)
+        _scatter(
+            values, rows, ranks + 1, quantile_bins(ranked, self.n_bins)[keep] + self.value_offset
+        )
+        sep = ranked.output_lengths(self.max_genes) + 1
+        ids[np.arange(ranked.n_cells), sep] = SEP
+        return {"input_ids": ids, "attention_mask": ids != PAD, "values": values}
+
+
+class Raw:
+    """Each cell's sparse expression, highest first: padded gene ids, values and lengths."""
+
+    name = "raw"
+
+    def __init__(self, *, max_genes: int = 2048):
+        _check_max_genes(max_genes, 1)
+        self.max_genes = max_genes
+
+    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        gene_ids = np.full((ranked.n_cells, self.max_genes), -1, dtype=np.int64)
+        values = np.zeros((ranked.n_cells, self.max_genes), dtype=np.float32)
+        rows, ranks, keep = _visible(ranked, self.max_genes)
+        _scatter(gene_ids, rows, ranks, ranked.genes[keep].astype(np.int64))
+        _scatter(values, rows, ranks, ranked.values[keep].astype(np.float32))
+        return {
+            "gene_ids": gene_ids,
+            "values": values,
+            "lengths": ranked.output_lengths(self.max_genes),
+        }
+
+
+def quantile_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
+    """scGPT's per-cell binning of every entry: ``np.digitize(x, np.quantile(nz, q))``.
+
+    ``nz`` is the cell's non-zero values and ``q = linspace(0, 1, n_bins - 1)``, so bins run
+    from 1 to ``n_bins - 1``. This reproduces numpy's linear quantile interpolation exactly,
+    for all cells of the chunk at once, using that each cell's values are already sorted.
+    (scGPT breaks ties at bin edges at random; we take numpy's left edge, deterministically.)
+    Returns ``int64`` bins aligned with ``ranked.values``.
+    """
+    values, indptr = ranked.values, ranked.indptr
+    n = ranked.lengths
+    m = len(values)
+    if m == 0:
+        return np.zeros(0, dtype=np.int64)
+    # Ascending view of each cell: ascending index a of cell c is descending index n-1-a.
+    start = indptr[:-1]
+    cell = ranked.entry_cell
+    asc_to_desc = (start + indptr[1:] - 1)[cell] - np.arange(m)
+    asc = values[asc_to_desc]
+    new_run = np.ones(m, dtype=bool)
+    new_run[1:] = asc[1:] != asc[:-1]
+    new_run[start[n > 0]] = True
+    run_start = np.maximum.accumulate(np.where(new_run, np.arange(m), 0))
+
+    cells = np.flatnonzero(n)
+    q = np.linspace(0.0, 1.0, n_bins - 1)
+    count = n[cells][:, None]
+    virtual = (count - 1) * q[None, :]
+    prev = np.floor(virtual).astype(np.int64)
+    nxt = np.minimum(prev + 1, count - 1)
+    prev = np.minimum(prev, count - 1)
+    base = start[cells][:, None]
+    lo, hi = asc[base + prev], asc[base + nxt]
+    edges = _lerp(lo, hi, virtual - np.floor(virtual))
+    # First ascending index whose value is >= the edge (edges never exceed the cell's max).
+    first = np.where(edges <= lo, run_start[base + prev], base + nxt)
+    counts = np.cumsum(np.bincount(first.ravel(), minlength=m))
+    edges_before = np.repeat(np.arange(len(cells), dtype=np.int64) * (n_bins - 1), n[cells])
+    bins_asc = counts - edges_before
+    bins = np.empty(m, dtype=np.int64)
+    bins[asc_to_desc] = bins_asc
+    return bins
+
+
+def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """numpy's own quantile interpolation (``numpy.lib._function_base_impl._lerp``)."""
+    diff = np.subtract(b, a)
+    out = np.asarray(np.add(a, diff * t))
+    np.subtract(b, diff * (1 - t), out=out, where=t >= 0.5, casting="unsafe")
+    return out
+
+
+_BUILTINS: dict[str, Callable[..., Tokenizer]] = {
+    "geneformer": Geneformer,
+    "scgpt": ScGPT,
+    "raw": Raw,
+}
+
+
+def available_tokenizers() -> list[str]:
+    """Names accepted by :func:`make_tokenizer`: built-ins and installed plugins."""
+    return sorted(set(_BUILTINS) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def make_tokenizer(spec: str | Tokenizer, **options: Any) -> Tokenizer:
+    """A tokenizer from a registered name (with constructor ``options``) or an instance.
+
+    Names resolve to built-ins first, then to the ``slafload.tokenizers`` entry points.
+    """
+    if not isinstance(spec, str):
+        if not isinstance(spec, Tokenizer):
+            raise TypeError(
+                f"tokenizer must be a name or a Tokenizer (an object with `name` "
+                f"and `__call__(ranked)`), got {type(spec).__name__}"
+            )
+        return spec
+    factory = _BUILTINS.get(spec)
+    if factory is None:
+        found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
+        if not found:
+            raise ValueError(f"unknown tokenizer {spec!r}; available: {available_tokenizers()}")
+        factory = found[0].load()
+    return factory(**options)

@@ -1,0 +1,207 @@
+"""The loader end to end: real Lance datasets, a real producer thread, torch tensors out."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from conftest import geneformer_reference, random_counts, write_dense
+
+from slafload import Loader, LoaderConfig, open_dataset
+from slafload.samplers import Streaming
+
+pytestmark = pytest.mark.usefixtures("no_thread_leak")
+
+
+def epoch_cells(loader) -> np.ndarray:
+    return np.concatenate([b["cell_integer_id"].numpy() for b in loader])
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("batch_size", [1, 7, 32])
+def test_every_cell_appears_exactly_once_per_epoch(small_slaf, shuffle, batch_size):
+    with Loader(
+        small_slaf, batch_size=batch_size, max_genes=16, chunk_cells=40, shuffle=shuffle, n_epochs=1
+    ) as loader:
+        for _ in range(2):
+            cells = epoch_cells(loader)
+            np.testing.assert_array_equal(np.sort(cells), np.arange(300))
+            if not shuffle:
+                np.testing.assert_array_equal(cells, np.arange(300))
+
+
+def test_batches_are_full_except_the_last_and_drop_last_drops_it(small_slaf):
+    with Loader(small_slaf, batch_size=32, chunk_cells=50, max_genes=8) as loader:
+        sizes = [len(b["cell_integer_id"]) for b in loader]
+        assert sizes == [32] * 9 + [12] and len(loader) == 10
+    with Loader(small_slaf, batch_size=32, chunk_cells=50, drop_last=True) as loader:
+        assert [len(b["cell_integer_id"]) for b in loader] == [32] * 9 and len(loader) == 9
+
+
+def test_batches_hold_gpu_ready_tensors_matching_the_reference(small_slaf, small_counts):
+    with Loader(small_slaf, batch_size=16, max_genes=10, shuffle=True) as loader:
+        batch = next(iter(loader))
+    assert batch["input_ids"].dtype == torch.int64 and batch["input_ids"].shape == (16, 10)
+    assert batch["attention_mask"].dtype == torch.bool
+    assert batch["cell_integer_id"].dtype == torch.int64
+    want = np.stack(
+        [geneformer_reference(small_counts[c], 10) for c in batch["cell_integer_id"].numpy()]
+    )
+    np.testing.assert_array_equal(batch["input_ids"].numpy(), want)
+
+
+def test_each_epoch_reshuffles_and_the_same_seed_repeats(small_slaf):
+    def orders(seed):
+        with Loader(small_slaf, seed=seed, chunk_cells=64, n_epochs=2) as loader:
+            cells = epoch_cells(loader)
+        return cells[:300], cells[300:]
+
+    e0, e1 = orders(0)
+    assert not np.array_equal(e0, e1)
+    np.testing.assert_array_equal(np.sort(e1), np.arange(300))
+    again0, again1 = orders(0)
+    np.testing.assert_array_equal(e0, again0)
+    np.testing.assert_array_equal(e1, again1)
+    assert not np.array_equal(orders(1)[0], e0)
+
+
+def test_endless_loader_keeps_going_across_epochs(small_slaf):
+    with Loader(small_slaf, batch_size=100, n_epochs=None, chunk_cells=64) as loader:
+        it = iter(loader)
+        cells = np.concatenate([next(it)["cell_integer_id"].numpy() for _ in range(9)])
+        assert loader.position.epoch == 3
+    for k in range(3):
+        np.testing.assert_array_equal(np.sort(cells[k * 300 : (k + 1) * 300]), np.arange(300))
+
+
+def test_a_slow_consumer_never_loses_a_batch(small_slaf):
+    with Loader(small_slaf, batch_size=5, queue_depth=2, chunk_cells=64, max_genes=4) as loader:
+        seen = []
+        for batch in loader:
+            seen.append(batch["cell_integer_id"].numpy())
+            if len(seen) < 4:
+                time.sleep(0.2)  # the producer fills the 2-slot queue and must wait
+    np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(300))
+
+
+def test_breaking_out_then_iterating_again_resumes_without_loss(small_slaf):
+    with Loader(small_slaf, batch_size=10, chunk_cells=64, queue_depth=16) as loader:
+        it = iter(loader)
+        first = [next(it)["cell_integer_id"].numpy() for _ in range(4)]
+        time.sleep(0.2)  # let the producer run ahead; prefetched batches must not be lost
+        assert loader.position.cells == 40
+        rest = epoch_cells(loader)
+    cells = np.concatenate([*first, rest])
+    np.testing.assert_array_equal(np.sort(cells), np.arange(300))
+    with Loader(small_slaf, batch_size=10, chunk_cells=64) as loader:
+        np.testing.assert_array_equal(epoch_cells(loader), cells)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+class FailingTokenizer:
+    name = "failing"
+
+    def __init__(self, after: int):
+        self.calls, self.after = 0, after
+
+    def __call__(self, ranked):
+        self.calls += 1
+        if self.calls > self.after:
+            raise Boom(f"tokenizer exploded on chunk {self.calls}")
+        return {"x": np.zeros((ranked.n_cells, 1), dtype=np.int64)}
+
+
+class FailingSampler:
+    def plan(self, n_cells, *, seed, epoch):
+        raise KeyError("plan exploded")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "message"),
+    [
+        ({"tokenizer": FailingTokenizer(after=1)}, Boom, "tokenizer exploded on chunk 2"),
+        ({"sampler": FailingSampler()}, KeyError, "plan exploded"),
+    ],
+)
+def test_a_producer_exception_reaches_the_consumer_with_its_type(small_slaf, kwargs, exc, message):
+    with Loader(small_slaf, batch_size=8, chunk_cells=64, **kwargs) as loader:
+        start = time.monotonic()
+        with pytest.raises(exc, match=message):
+            for _ in loader:
+                pass
+        assert time.monotonic() - start < 5
+
+
+def test_a_read_failure_reaches_the_consumer(small_slaf):
+    import shutil
+
+    ds = open_dataset(small_slaf)
+    shutil.rmtree(small_slaf / "expression.lance" / "data")
+    with Loader(ds, batch_size=8) as loader, pytest.raises(Exception, match="fetch 0"):
+        next(iter(loader))
+
+
+@pytest.mark.parametrize("how", ["close", "with", "break"])
+def test_closing_leaves_no_live_thread(small_slaf, how):
+    def producers():
+        return [t for t in threading.enumerate() if t.name == "slafload-producer"]
+
+    loader = Loader(small_slaf, batch_size=2, queue_depth=1, chunk_cells=32)
+    if how == "with":
+        with loader:
+            next(iter(loader))
+            assert producers()
+    else:
+        for _ in loader:
+            break
+        assert producers()
+        loader.close()
+    assert not producers()
+
+
+def test_dropping_an_iterator_stops_its_thread(small_slaf):
+    loader = Loader(small_slaf, batch_size=2, queue_depth=1, chunk_cells=32)
+    it = iter(loader)
+    next(it)
+    loader._active = None  # the only other reference
+    del it
+    assert not [t for t in threading.enumerate() if t.name == "slafload-producer"]
+
+
+def test_settings_are_validated_with_clear_messages(small_slaf):
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        Loader(small_slaf, batch_size=0)
+    with pytest.raises(ValueError, match="n_epochs must be a positive integer or None"):
+        LoaderConfig(n_epochs=0)
+    with pytest.raises(TypeError, match="unknown settings \\['batchsize'\\]"):
+        Loader(small_slaf, batchsize=3)
+    with pytest.raises(TypeError, match="sampler must implement plan"):
+        Loader(small_slaf, sampler=object())
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pin_memory=True needs a CUDA device"):
+            Loader(small_slaf, pin_memory=True)
+
+
+def test_a_cpu_device_and_an_explicit_sampler_work(tmp_path):
+    dense = random_counts(90, 20, seed=8, empty_every=4)
+    path = write_dense(tmp_path / "d.slaf", dense)
+    with Loader(
+        path,
+        tokenizer="scgpt",
+        max_genes=8,
+        device="cpu",
+        sampler=Streaming(chunk_cells=25),
+        batch_size=30,
+    ) as loader:
+        batches = list(loader)
+    assert [b["values"].shape for b in batches] == [(30, 10)] * 3
+    assert all(b["input_ids"].device.type == "cpu" for b in batches)
+    np.testing.assert_array_equal(
+        np.concatenate([b["cell_integer_id"] for b in batches]), np.arange(90)
+    )

@@ -1,0 +1,88 @@
+"""Prefetcher: a bounded queue, an owned thread, forwarded errors, prompt shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from slafload.prefetcher import Prefetcher
+
+
+def test_the_producer_blocks_on_a_full_queue_and_nothing_is_dropped():
+    produced = []
+
+    def produce():
+        for i in range(50):
+            produced.append(i)
+            yield i
+
+    pf = Prefetcher(produce, depth=3)
+    time.sleep(0.3)
+    assert len(produced) <= 3 + 1  # queue full plus the item waiting to be put
+    assert list(pf) == list(range(50))
+    pf.close()
+
+
+def test_an_exception_keeps_its_type_message_and_arrives_promptly():
+    class Custom(Exception):
+        pass
+
+    def produce():
+        yield 1
+        raise Custom("stage 3 failed: bad chunk 7")
+
+    pf = Prefetcher(produce, depth=2)
+    assert next(pf) == 1
+    start = time.monotonic()
+    with pytest.raises(Custom, match="stage 3 failed: bad chunk 7"):
+        next(pf)
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(StopIteration):
+        next(pf)
+    pf.close()
+
+
+def test_close_stops_a_blocked_producer_and_joins_its_thread():
+    def produce():
+        i = 0
+        while True:
+            yield i
+            i += 1
+
+    pf = Prefetcher(produce, depth=1, name="slafload-test")
+    next(pf)
+    start = time.monotonic()
+    pf.close()
+    assert time.monotonic() - start < 1.0
+    assert not pf.alive
+    assert not [t for t in threading.enumerate() if t.name == "slafload-test"]
+    with pytest.raises(StopIteration):
+        next(pf)
+
+
+def test_the_generator_is_closed_when_stopped():
+    cleaned = threading.Event()
+
+    def produce():
+        try:
+            while True:
+                yield 0
+        finally:
+            cleaned.set()
+
+    pf = Prefetcher(produce, depth=1)
+    next(pf)
+    pf.close()
+    assert cleaned.wait(1.0)
+
+
+def test_end_of_data_is_an_explicit_sentinel_not_a_timeout():
+    def produce():
+        time.sleep(0.3)  # much longer than the poll interval
+        yield "late"
+
+    pf = Prefetcher(produce, depth=1, poll=0.01)
+    assert list(pf) == ["late"]
+    pf.close()
