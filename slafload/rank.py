@@ -19,30 +19,14 @@ from slafload.chunk import Chunk
 
 
 @dataclass(frozen=True, eq=False)
-class RankedChunk:
+class RankedChunk(Chunk):
     """A chunk whose cells' genes are sorted by expression; the input of every tokenizer.
 
-    Cells stay in read order; ``order`` says where each goes in the output. Tokenizers write
-    cell ``i`` to output row ``row_of_cell[i]`` and use the helpers below, so they never loop
-    over cells.
-
-    Attributes:
-        cell_ids: ``int64[n]`` cell ids in read order.
-        indptr: ``int64[n + 1]``: cell ``i``'s ranked entries are ``indptr[i]:indptr[i + 1]``.
-        genes: Gene ids, within each cell in rank order (highest value first, ties by id).
-        values: Values aligned with ``genes`` (descending within each cell; all > 0).
-        order: ``int64[n]``: output row ``j`` holds cell ``order[j]``.
+    Same fields as :class:`~slafload.chunk.Chunk`, but only expressed genes (value > 0) are
+    kept and, within each cell, ``genes``/``values`` are in rank order: highest value first,
+    ties by gene id. Cells stay in read order; tokenizers write cell ``i`` to output row
+    ``row_of_cell[i]`` using the helpers below, so they never loop over cells.
     """
-
-    cell_ids: np.ndarray
-    indptr: np.ndarray
-    genes: np.ndarray
-    values: np.ndarray
-    order: np.ndarray
-
-    @property
-    def n_cells(self) -> int:
-        return len(self.cell_ids)
 
     @cached_property
     def lengths(self) -> np.ndarray:
@@ -107,4 +91,4 @@ def rank(chunk: Chunk) -> RankedChunk:
         )
         genes = ranked.get_column("gene").to_numpy()
         values = ranked.get_column("value").to_numpy()
-    return RankedChunk(chunk.cell_ids, indptr, genes, values, chunk.order)
+    return RankedChunk(chunk.fetch_index, chunk.cell_ids, indptr, genes, values, chunk.order)
