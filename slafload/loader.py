@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset, open_dataset
-from slafload.pipeline import Batch, Delivery, Pipeline, Position
+from slafload.pipeline import Batch, ChunkTransform, Delivery, Pipeline, Position
 from slafload.prefetcher import Prefetcher
 from slafload.samplers import ChunkShuffle, Sampler, Streaming
 from slafload.tokenizers import Tokenizer, make_tokenizer
@@ -38,6 +38,7 @@ class Loader:
             :class:`Streaming` according to ``shuffle``.
         device: Move batches there (``non_blocking`` when pinned), e.g. ``"cuda"``.
         pin_memory: Pin batches in the producer thread; default: when ``device`` is CUDA.
+        transforms: Chunk transforms run before ranking (e.g. per-gene normalisation).
         **settings: Fields of :class:`LoaderConfig` (``batch_size``, ``max_genes``, ``seed``,
             ``n_epochs``, ``shuffle``, ``drop_last``, ``chunk_cells``, ``queue_depth``...).
 
@@ -54,6 +55,7 @@ class Loader:
         sampler: Sampler | None = None,
         device: str | torch.device | None = None,
         pin_memory: bool | None = None,
+        transforms: Sequence[ChunkTransform] = (),
         **settings: Any,
     ):
         unknown = set(settings) - set(LoaderConfig.__dataclass_fields__)
@@ -88,7 +90,12 @@ class Loader:
                 "leave pin_memory unset or False on CPU-only machines"
             )
         self._pipeline = Pipeline(
-            self.dataset, self.sampler, self.tokenizer, self.config, pin_memory=self.pin_memory
+            self.dataset,
+            self.sampler,
+            self.tokenizer,
+            self.config,
+            pin_memory=self.pin_memory,
+            transforms=tuple(transforms),
         )
         self._position = Position()
         self._active: _LoaderIterator | None = None

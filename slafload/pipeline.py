@@ -9,14 +9,14 @@ garbage-collected and stop its thread.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from slafload.batcher import Batcher
-from slafload.chunk import assemble, shuffle
+from slafload.chunk import Chunk, assemble, shuffle
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
 from slafload.rank import rank
@@ -25,6 +25,7 @@ from slafload.samplers import Sampler
 from slafload.tokenizers import Tokenizer
 
 Batch = dict[str, torch.Tensor]
+ChunkTransform = Callable[[Chunk], Chunk]
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,18 @@ class Delivery:
 
 @dataclass(frozen=True, eq=False)
 class Pipeline:
-    """Everything the producer needs, immutable for the loader's lifetime."""
+    """Everything the producer needs, immutable for the loader's lifetime.
+
+    ``transforms`` run on each shuffled chunk before ranking (e.g. value normalisation); each
+    takes and returns a :class:`~slafload.chunk.Chunk` and must keep its cells.
+    """
 
     dataset: SlafDataset
     sampler: Sampler
     tokenizer: Tokenizer
     config: LoaderConfig
     pin_memory: bool = False
+    transforms: tuple[ChunkTransform, ...] = ()
 
     def run(self, start: Position) -> Iterator[Delivery]:
         """Deliver ``config.n_epochs`` epochs (or forever) starting at ``start``."""
@@ -89,7 +95,10 @@ class Pipeline:
             chunk = assemble(
                 fetch, reader.read(fetch), self.dataset.cell_start, uri=self.dataset.uri
             )
-            ranked = rank(shuffle(chunk, fetch.shuffle_seed))
+            chunk = shuffle(chunk, fetch.shuffle_seed)
+            for transform in self.transforms:
+                chunk = transform(chunk)
+            ranked = rank(chunk)
             arrays = dict(self.tokenizer(ranked))
             arrays["cell_integer_id"] = ranked.output_cell_ids
             first = skip - (planned - fetch.n_cells)

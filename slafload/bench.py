@@ -1,0 +1,345 @@
+"""End-to-end throughput of slafload against the raw Lance scan floor and slafdb's loader.
+
+Everything runs in one process on one synthetic atlas, so the ratios hold on a noisy shared
+machine even when the absolute numbers move. Each loader is timed *end to end*: from
+constructing it until the consumer holds ``--epochs`` epochs' worth of cells (more than any
+queue can hold), stopping right there. The page cache is warmed by a full scan first.
+
+Reported: cells/s per loader (median of ``--repeats`` runs), the raw floor (a bare Lance scan
+of the same rows, no processing), the ratios, peak RSS during each run, and a per-stage
+profile of slafload's producer. Writes JSON (and a PNG bar chart when matplotlib is there).
+
+    python benchmarks/throughput.py                      # the README's main command
+    python benchmarks/throughput.py --cells 200000 --no-peers
+
+Library code never prints; this module is a benchmark driver and reports on stdout/stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import slafload
+from slafload.chunk import assemble, shuffle
+from slafload.rank import rank
+from slafload.reader import COLUMNS, Reader
+from slafload.tokenizers import make_tokenizer
+
+ROOT = Path.cwd()
+
+
+# -- measurement helpers -----------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """Samples this process's RSS every 20 ms while active; ``peak`` in bytes."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __enter__(self) -> PeakRss:
+        self.peak = _rss_bytes()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+
+def progress(iterable, **kwargs):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, file=sys.stderr, dynamic_ncols=True, **kwargs)
+
+
+def consume(batches: Iterator[dict[str, Any]], target: int, key: str = "input_ids") -> int:
+    got = 0
+    for batch in batches:
+        got += len(batch[key])
+        if got >= target:
+            break
+    return got
+
+
+def timed_runs(label: str, run: Callable[[], int], repeats: int) -> dict[str, Any]:
+    """Median cells/s and peak RSS over ``repeats`` runs of ``run`` (returns cells)."""
+    rates, peaks = [], []
+    for _ in progress(range(repeats), desc=label, leave=False):
+        gc.collect()
+        with PeakRss() as rss:
+            start = time.perf_counter()
+            cells = run()
+            elapsed = time.perf_counter() - start
+        rates.append(cells / elapsed)
+        peaks.append(rss.peak)
+    return {
+        "cells_per_s": statistics.median(rates),
+        "runs_cells_per_s": rates,
+        "peak_rss_mb": max(peaks) / 2**20,
+    }
+
+
+# -- the contenders ----------------------------------------------------------------------------
+
+
+def raw_floor(ds: slafload.SlafDataset, target: int) -> int:
+    """A bare scan of whole epochs of expression rows: no ranking, tokenizing or tensors."""
+    cells = 0
+    while cells < target:
+        for _ in ds.expression.to_batches(columns=COLUMNS, batch_size=1 << 20):
+            pass
+        cells += ds.n_cells
+    return cells
+
+
+def slafload_run(ds, tokenizer: str, args, target: int) -> int:
+    with slafload.Loader(
+        ds,
+        tokenizer=tokenizer,
+        batch_size=args.batch_size,
+        max_genes=args.max_genes,
+        n_epochs=None,
+        seed=0,
+    ) as loader:
+        return consume(iter(loader), target)
+
+
+def slafdb_run(path: Path, tokenizer: str, args, target: int) -> int:
+    from slaf import SLAFArray
+    from slaf.ml.dataloaders import SLAFDataLoader
+
+    loader = SLAFDataLoader(
+        SLAFArray(str(path)),
+        tokenizer_type=tokenizer,
+        batch_size=args.batch_size,
+        max_genes=args.max_genes,
+        n_epochs=args.epochs + 2,
+        verbose=False,
+    )
+    try:
+        return consume(iter(loader), target)
+    finally:
+        loader._dataset.prefetcher.stop()
+
+
+def profile_stages(ds, tokenizer_name: str, args, n_fetches: int = 6) -> dict[str, float]:
+    """Seconds per stage of the producer over a few chunks, run synchronously."""
+    import torch
+
+    loader_defaults = slafload.LoaderConfig()
+    tokenizer = make_tokenizer(tokenizer_name, max_genes=args.max_genes)
+    plan = slafload.samplers.ChunkShuffle(chunk_cells=loader_defaults.chunk_cells).plan(
+        ds.n_cells, seed=0, epoch=0
+    )
+    reader = Reader(ds)
+    times = dict.fromkeys(["read", "assemble", "shuffle+rank", "tokenize", "to_torch"], 0.0)
+    cells = 0
+    for fetch in plan[:n_fetches]:
+        t0 = time.perf_counter()
+        batches = list(reader.read(fetch))
+        t1 = time.perf_counter()
+        chunk = assemble(fetch, batches, ds.cell_start)
+        t2 = time.perf_counter()
+        ranked = rank(shuffle(chunk, fetch.shuffle_seed))
+        t3 = time.perf_counter()
+        arrays = tokenizer(ranked)
+        t4 = time.perf_counter()
+        for i in range(0, ranked.n_cells, args.batch_size):
+            {k: torch.from_numpy(v[i : i + args.batch_size]) for k, v in arrays.items()}
+        t5 = time.perf_counter()
+        for key, dt in zip(times, [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4], strict=True):
+            times[key] += dt
+        cells += fetch.n_cells
+    return {k: v / cells * 1e6 for k, v in times.items()}  # microseconds per cell
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def ensure_atlas(args) -> Path:
+    params = {
+        "n_cells": args.cells,
+        "n_genes": args.genes,
+        "n_plates": args.plates,
+        "mean_nnz": args.nnz,
+        "seed": 0,
+    }
+    path = Path(args.data) / ("atlas_{n_cells}x{n_genes}_nnz{mean_nnz}.slaf".format(**params))
+    config = path / "config.json"
+    if config.exists():
+        with contextlib.suppress(ValueError, KeyError):
+            if json.loads(config.read_text())["generator"]["params"] == params:
+                return path
+    print(f"writing synthetic atlas {path} ...", file=sys.stderr)
+    slafload.synthetic.write_atlas(path, overwrite=True, progress=True, **params)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cells", type=int, default=50_000)
+    p.add_argument("--genes", type=int, default=20_000)
+    p.add_argument("--nnz", type=int, default=800, help="mean non-zeros per cell")
+    p.add_argument("--plates", type=int, default=14)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-genes", type=int, default=2048)
+    p.add_argument(
+        "--epochs",
+        type=float,
+        default=2.5,
+        help="cells consumed per run, in epochs (spans several epochs)",
+    )
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--peer-repeats", type=int, default=2)
+    p.add_argument("--no-peers", action="store_true", help="skip slafdb")
+    p.add_argument("--data", default=str(ROOT / "data"), help="where the atlas is cached")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput.json"))
+    args = p.parse_args(argv)
+
+    path = ensure_atlas(args)
+    ds = slafload.open_dataset(path)
+    target = int(args.epochs * ds.n_cells)
+    raw_floor(ds, ds.n_cells)  # warm the page cache: the atlas fits in RAM
+
+    results: dict[str, Any] = {}
+    results["raw_scan"] = timed_runs("raw scan", lambda: raw_floor(ds, target), args.repeats)
+    for tok in ("geneformer", "scgpt"):
+        results[f"slafload_{tok}"] = timed_runs(
+            f"slafload {tok}", lambda tok=tok: slafload_run(ds, tok, args, target), args.repeats
+        )
+    peers = not args.no_peers
+    if peers:
+        try:
+            import psutil  # noqa: F401  (slafdb silently yields nothing without it)
+            import slaf  # noqa: F401
+        except ImportError as exc:
+            print(f"skipping slafdb: {exc}", file=sys.stderr)
+            peers = False
+    if peers:
+        for tok in ("geneformer", "scgpt"):
+            results[f"slafdb_{tok}"] = timed_runs(
+                f"slafdb {tok}",
+                lambda tok=tok: slafdb_run(path, tok, args, target),
+                args.peer_repeats,
+            )
+
+    floor = results["raw_scan"]["cells_per_s"]
+    ratios = {}
+    for tok in ("geneformer", "scgpt"):
+        ours = results[f"slafload_{tok}"]["cells_per_s"]
+        ratios[f"{tok}_fraction_of_raw_scan"] = ours / floor
+        if f"slafdb_{tok}" in results:
+            ratios[f"{tok}_vs_slafdb"] = ours / results[f"slafdb_{tok}"]["cells_per_s"]
+    report = {
+        "dataset": {
+            "path": str(path),
+            "n_cells": ds.n_cells,
+            "n_genes": ds.n_genes,
+            "n_rows": ds.n_rows,
+            "nnz_per_cell": ds.n_rows / ds.n_cells,
+        },
+        "settings": {
+            "batch_size": args.batch_size,
+            "max_genes": args.max_genes,
+            "cells_per_run": target,
+            "epochs_per_run": args.epochs,
+            "repeats": args.repeats,
+            "peer_repeats": args.peer_repeats,
+            "page_cache": "warm (atlas read once before timing; fits in RAM)",
+        },
+        "results": results,
+        "ratios": ratios,
+        "profile_us_per_cell": {
+            tok: profile_stages(ds, tok, args) for tok in ("geneformer", "scgpt")
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print_table(report)
+    plot(report, out.with_suffix(".png"))
+    print(f"\nwrote {out}", file=sys.stderr)
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    d, s = report["dataset"], report["settings"]
+    print(
+        f"\n{d['n_cells']:,} cells x {d['n_genes']:,} genes, {d['nnz_per_cell']:.0f} "
+        f"non-zeros/cell; batch_size={s['batch_size']}, max_genes={s['max_genes']}, "
+        f"{s['epochs_per_run']} epochs per run, warm cache"
+    )
+    floor = report["results"]["raw_scan"]["cells_per_s"]
+    print(f"{'loader':<22}{'cells/s':>12}{'x raw scan':>12}{'peak RSS MB':>14}")
+    for name, r in report["results"].items():
+        print(
+            f"{name:<22}{r['cells_per_s']:>12,.0f}{r['cells_per_s'] / floor:>12.2f}"
+            f"{r['peak_rss_mb']:>14,.0f}"
+        )
+    for name, value in report["ratios"].items():
+        print(f"{name:<34}{value:>8.2f}")
+    for tok, prof in report["profile_us_per_cell"].items():
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in prof.items())
+        print(f"profile {tok} (us/cell): {parts}")
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    names = [n for n in report["results"] if n != "raw_scan"]
+    rates = [report["results"][n]["cells_per_s"] for n in names]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(
+        names, rates, color=["#3b7dd8" if n.startswith("slafload") else "#999999" for n in names]
+    )
+    floor = report["results"]["raw_scan"]["cells_per_s"]
+    ax.axvline(floor, color="#d62728", linestyle="--", label=f"raw Lance scan {floor:,.0f}")
+    ax.set_xlabel("cells / s, end to end (higher is better)")
+    ax.legend(loc="lower right")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
