@@ -96,6 +96,34 @@ class SlafDataset:
         """Cell metadata (the ``cells`` table) in cell-id order."""
         return pl.from_arrow(self.cells.to_table(columns=columns))
 
+    def obs_codes(self, column: str) -> tuple[np.ndarray, list[Any] | None]:
+        """One obs column as an ``int64`` array per cell, plus its category table.
+
+        Strings, booleans and categoricals become codes into the sorted category list (the
+        second return value); integer columns are returned as they are, with ``None``.
+
+        Raises:
+            SchemaError: the column does not exist or is floating point.
+        """
+        if column not in self.cells.schema.names:
+            raise SchemaError(
+                f"cells.lance in {self.uri!r} has no obs column {column!r} "
+                f"(columns: {self.cells.schema.names})"
+            )
+        series = self.obs([column]).get_column(column)
+        if series.dtype.is_integer():
+            return series.cast(pl.Int64).to_numpy(), None
+        if series.dtype.is_float():
+            raise SchemaError(
+                f"obs column {column!r} in {self.uri!r} is floating point; only "
+                "categorical, string, boolean or integer columns become codes"
+            )
+        categories = series.cast(pl.String).unique().sort(nulls_last=True)
+        codes = series.cast(pl.String).replace_strict(
+            categories, pl.int_range(len(categories), eager=True), return_dtype=pl.Int64
+        )
+        return codes.to_numpy(), categories.to_list()
+
     def var(self, columns: list[str] | None = None) -> pl.DataFrame:
         """Gene metadata (the ``genes`` table) in gene-id order."""
         return pl.from_arrow(self.genes.to_table(columns=columns))

@@ -39,6 +39,8 @@ class Loader:
         device: Move batches there (``non_blocking`` when pinned), e.g. ``"cuda"``.
         pin_memory: Pin batches in the producer thread; default: when ``device`` is CUDA.
         transforms: Chunk transforms run before ranking (e.g. per-gene normalisation).
+        obs_columns: Obs columns added to every batch as ``int64`` codes aligned with the
+            cells; ``loader.obs_categories[name]`` maps codes back to categories.
         **settings: Fields of :class:`LoaderConfig` (``batch_size``, ``max_genes``, ``seed``,
             ``n_epochs``, ``shuffle``, ``drop_last``, ``chunk_cells``, ``queue_depth``...).
 
@@ -56,6 +58,7 @@ class Loader:
         device: str | torch.device | None = None,
         pin_memory: bool | None = None,
         transforms: Sequence[ChunkTransform] = (),
+        obs_columns: Sequence[str] = (),
         **settings: Any,
     ):
         unknown = set(settings) - set(LoaderConfig.__dataclass_fields__)
@@ -89,6 +92,14 @@ class Loader:
                 "pin_memory=True needs a CUDA device, and none is available; "
                 "leave pin_memory unset or False on CPU-only machines"
             )
+        reserved = {"cell_integer_id"} & set(obs_columns)
+        if reserved:
+            raise ValueError(
+                f"obs_columns may not include {sorted(reserved)}: every batch "
+                "already carries cell_integer_id"
+            )
+        codes = {name: self.dataset.obs_codes(name) for name in obs_columns}
+        self.obs_categories = {name: cats for name, (_, cats) in codes.items()}
         self._pipeline = Pipeline(
             self.dataset,
             self.sampler,
@@ -96,6 +107,7 @@ class Loader:
             self.config,
             pin_memory=self.pin_memory,
             transforms=tuple(transforms),
+            obs={name: c for name, (c, _) in codes.items()},
         )
         self._position = Position()
         self._active: _LoaderIterator | None = None

@@ -52,7 +52,8 @@ class Pipeline:
     """Everything the producer needs, immutable for the loader's lifetime.
 
     ``transforms`` run on each shuffled chunk before ranking (e.g. value normalisation); each
-    takes and returns a :class:`~slafload.chunk.Chunk` and must keep its cells.
+    takes and returns a :class:`~slafload.chunk.Chunk` and must keep its cells. ``obs`` maps
+    obs column names to per-cell ``int64`` codes added to every batch.
     """
 
     dataset: SlafDataset
@@ -61,6 +62,7 @@ class Pipeline:
     config: LoaderConfig
     pin_memory: bool = False
     transforms: tuple[ChunkTransform, ...] = ()
+    obs: Mapping[str, np.ndarray] | None = None  # obs column -> int64 code per cell
 
     def run(self, start: Position) -> Iterator[Delivery]:
         """Deliver ``config.n_epochs`` epochs (or forever) starting at ``start``."""
@@ -101,6 +103,8 @@ class Pipeline:
             ranked = rank(chunk)
             arrays = dict(self.tokenizer(ranked))
             arrays["cell_integer_id"] = ranked.output_cell_ids
+            for name, codes in (self.obs or {}).items():
+                arrays[name] = codes[ranked.output_cell_ids]
             first = skip - (planned - fetch.n_cells)
             if first > 0:
                 arrays = {k: v[first:] for k, v in arrays.items()}

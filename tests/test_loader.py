@@ -205,3 +205,38 @@ def test_a_cpu_device_and_an_explicit_sampler_work(tmp_path):
     np.testing.assert_array_equal(
         np.concatenate([b["cell_integer_id"] for b in batches]), np.arange(90)
     )
+
+
+def test_batches_carry_requested_obs_columns_as_codes(tmp_path):
+    dense = random_counts(60, 8, seed=5)
+    plates = [f"plate_{i // 20}" for i in range(60)]
+    path = write_dense(
+        tmp_path / "o.slaf", dense, obs={"plate": plates, "donor": [i % 3 for i in range(60)]}
+    )
+    with Loader(path, obs_columns=["plate", "donor"], batch_size=16, chunk_cells=32) as loader:
+        assert loader.obs_categories == {"plate": ["plate_0", "plate_1", "plate_2"], "donor": None}
+        for batch in loader:
+            cells = batch["cell_integer_id"].numpy()
+            np.testing.assert_array_equal(batch["plate"].numpy(), cells // 20)
+            np.testing.assert_array_equal(batch["donor"].numpy(), cells % 3)
+    with pytest.raises(Exception, match="no obs column 'nope'"):
+        Loader(path, obs_columns=["nope"])
+
+
+def test_chunk_transforms_run_before_ranking(tmp_path):
+    import dataclasses
+
+    dense = random_counts(30, 6, seed=7)
+    path = write_dense(tmp_path / "t.slaf", dense)
+
+    def invert(chunk):  # lowest count becomes the highest rank
+        return dataclasses.replace(chunk, values=(100 - chunk.values.astype(np.int64)))
+
+    with Loader(
+        path, transforms=[invert], tokenizer="raw", max_genes=6, batch_size=30, shuffle=False
+    ) as loader:
+        batch = next(iter(loader))
+    for row, cell in enumerate(batch["cell_integer_id"].numpy()):
+        n = int(batch["lengths"][row])
+        got = batch["values"][row, :n].numpy()
+        np.testing.assert_array_equal(got, np.sort(100.0 - dense[cell][dense[cell] > 0])[::-1])
