@@ -83,7 +83,7 @@ def assemble(
     row_cells = _column(table, "cell_integer_id")
     genes = _column(table, "gene_integer_id")
     values = _column(table, "value")
-    expected = np.repeat(cell_ids, lengths)
+    expected = np.repeat(cell_ids.astype(row_cells.dtype, copy=False), lengths)
     if not np.array_equal(row_cells, expected):
         bad = int(np.flatnonzero(row_cells != expected)[0])
         raise InconsistentDataError(

@@ -55,18 +55,26 @@ def _check_max_genes(max_genes: int, minimum: int) -> None:
         raise ValueError(f"max_genes must be an integer >= {minimum}, got {max_genes!r}")
 
 
-def _scatter(out: np.ndarray, rows: np.ndarray, cols: np.ndarray, values: np.ndarray) -> None:
-    """``out[rows, cols] = values`` through the flat view (faster than 2-D fancy indexing)."""
-    out.reshape(-1)[rows * out.shape[1] + cols] = values
+def _destinations(
+    ranked: RankedChunk, width: int, limit: int, first_col: int
+) -> tuple[np.ndarray, np.ndarray | slice]:
+    """Where each entry ranked below ``limit`` goes in a C-ordered ``[n_cells, width]`` array.
+
+    Entry ``e`` of read-order cell ``c`` (rank ``e - indptr[c]``) lands at row
+    ``row_of_cell[c]``, column ``first_col + rank``. Returns flat indices and the selector of
+    the entries they belong to (a ``slice`` when every entry fits, so nothing is copied).
+    """
+    base = ranked.row_of_cell * width + first_col - ranked.indptr[:-1]
+    flat = np.repeat(base, ranked.lengths)
+    if len(flat) and ranked.lengths.max() > limit:
+        keep = np.flatnonzero(ranked.entry_rank < limit)
+        return flat[keep] + keep, keep
+    flat += np.arange(len(flat))
+    return flat, slice(None)
 
 
-def _visible(ranked: RankedChunk, limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Output rows, ranks and indices of the entries ranked below ``limit``."""
-    rows, ranks = ranked.entry_row, ranked.entry_rank
-    if len(ranks) and ranked.lengths.max() > limit:
-        keep = np.flatnonzero(ranks < limit)
-        return rows[keep], ranks[keep], keep
-    return rows, ranks, slice(None)
+def _gene_tokens(ranked: RankedChunk, keep: np.ndarray | slice) -> np.ndarray:
+    return np.add(ranked.genes[keep], GENE_OFFSET, dtype=np.int64)
 
 
 class Geneformer:
@@ -82,8 +90,8 @@ class Geneformer:
         width = self.max_genes
         ids = np.zeros((ranked.n_cells, width), dtype=np.int64)
         ids[:, 0] = CLS
-        rows, ranks, keep = _visible(ranked, width - 1)
-        _scatter(ids, rows, ranks + 1, ranked.genes[keep].astype(np.int64) + GENE_OFFSET)
+        flat, keep = _destinations(ranked, width, width - 1, first_col=1)
+        ids.reshape(-1)[flat] = _gene_tokens(ranked, keep)
         sep = ranked.output_lengths(width - 1) + 1
         fits = np.flatnonzero(sep < width)
         ids[fits, sep[fits]] = SEP
@@ -108,11 +116,9 @@ class ScGPT:
         ids = np.zeros((ranked.n_cells, width), dtype=np.int64)
         values = np.zeros((ranked.n_cells, width), dtype=np.int64)
         ids[:, 0] = CLS
-        rows, ranks, keep = _visible(ranked, self.max_genes)
-        _scatter(ids, rows, ranks + 1, ranked.genes[keep].astype(np.int64) + GENE_OFFSET)
-        _scatter(
-            values, rows, ranks + 1, quantile_bins(ranked, self.n_bins)[keep] + self.value_offset
-        )
+        flat, keep = _destinations(ranked, width, self.max_genes, first_col=1)
+        ids.reshape(-1)[flat] = _gene_tokens(ranked, keep)
+        values.reshape(-1)[flat] = quantile_bins(ranked, self.n_bins)[keep] + self.value_offset
         sep = ranked.output_lengths(self.max_genes) + 1
         ids[np.arange(ranked.n_cells), sep] = SEP
         return {"input_ids": ids, "attention_mask": ids != PAD, "values": values}
@@ -130,9 +136,9 @@ class Raw:
     def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
         gene_ids = np.full((ranked.n_cells, self.max_genes), -1, dtype=np.int64)
         values = np.zeros((ranked.n_cells, self.max_genes), dtype=np.float32)
-        rows, ranks, keep = _visible(ranked, self.max_genes)
-        _scatter(gene_ids, rows, ranks, ranked.genes[keep].astype(np.int64))
-        _scatter(values, rows, ranks, ranked.values[keep].astype(np.float32))
+        flat, keep = _destinations(ranked, self.max_genes, self.max_genes, first_col=0)
+        gene_ids.reshape(-1)[flat] = ranked.genes[keep]
+        values.reshape(-1)[flat] = ranked.values[keep]
         return {
             "gene_ids": gene_ids,
             "values": values,
