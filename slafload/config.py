@@ -2,7 +2,68 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the reader retries a fetch after a transient storage failure.
+
+    A fetch is read whole up to ``attempts`` times; before retry ``i`` (1-based) the producer
+    sleeps ``min(initial_backoff * 2 ** (i - 1), max_backoff)`` seconds. A failure is transient
+    if it is an instance of one of ``transient``, or its message contains one of
+    ``transient_messages`` (Lance reports object-store and file I/O failures during a scan as
+    ``pyarrow.ArrowInvalid("... LanceError(IO) ...")``, not as ``OSError``); a
+    :class:`~slafload.ReadError` is judged by its cause. Anything else, and the last failed
+    attempt, raises at once.
+
+    Attributes:
+        attempts: Reads of one fetch before giving up (1 disables retrying).
+        initial_backoff: Seconds before the first retry.
+        max_backoff: Upper bound of any one wait, in seconds.
+        transient: Exception classes worth retrying.
+        transient_messages: Substrings of an error message that mark it as worth retrying.
+    """
+
+    attempts: int = 4
+    initial_backoff: float = 0.1
+    max_backoff: float = 2.0
+    transient: tuple[type[BaseException], ...] = (OSError,)
+    transient_messages: tuple[str, ...] = ("LanceError(IO)",)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool):
+            raise ValueError(f"attempts must be a positive integer, got {self.attempts!r}")
+        if self.attempts < 1:
+            raise ValueError(f"attempts must be a positive integer, got {self.attempts!r}")
+        if not 0 <= self.initial_backoff <= self.max_backoff:
+            raise ValueError(
+                "backoffs must satisfy 0 <= initial_backoff <= max_backoff, got "
+                f"initial_backoff={self.initial_backoff!r}, max_backoff={self.max_backoff!r}"
+            )
+        if not isinstance(self.transient, tuple) or not all(
+            isinstance(t, type) and issubclass(t, BaseException) for t in self.transient
+        ):
+            raise ValueError(
+                f"transient must be a tuple of exception classes, got {self.transient!r}"
+            )
+        if not isinstance(self.transient_messages, tuple) or not all(
+            isinstance(m, str) and m for m in self.transient_messages
+        ):
+            raise ValueError(
+                "transient_messages must be a tuple of non-empty strings, got "
+                f"{self.transient_messages!r}"
+            )
+
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is worth another attempt under this policy."""
+        return isinstance(exc, self.transient) or any(
+            m in str(exc) for m in self.transient_messages
+        )
+
+    def backoff(self, retry: int) -> float:
+        """Seconds to wait before retry number ``retry`` (1-based)."""
+        return min(self.initial_backoff * 2.0 ** (retry - 1), self.max_backoff)
 
 
 @dataclass(frozen=True)
@@ -21,6 +82,7 @@ class LoaderConfig:
             amortise per-chunk overhead; memory grows linearly.
         queue_depth: Batches the producer may run ahead of the consumer.
         read_batch_rows: Rows per Arrow record batch requested from Lance.
+        retry: Retries of a fetch after a transient storage failure.
     """
 
     batch_size: int = 32
@@ -32,6 +94,7 @@ class LoaderConfig:
     chunk_cells: int = 8192
     queue_depth: int = 64
     read_batch_rows: int = 1 << 20
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
         positive = {
@@ -46,5 +109,7 @@ class LoaderConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.n_epochs is not None and (not isinstance(self.n_epochs, int) or self.n_epochs < 1):
             raise ValueError(f"n_epochs must be a positive integer or None, got {self.n_epochs!r}")
+        if not isinstance(self.retry, RetryPolicy):
+            raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")

@@ -21,6 +21,7 @@ from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
 from slafload.rank import rank
 from slafload.reader import Reader
+from slafload.retry import RetryingReader
 from slafload.samplers import Sampler
 from slafload.tokenizers import Tokenizer
 
@@ -86,7 +87,9 @@ class Pipeline:
     def epoch(self, epoch: int, skip: int = 0) -> Iterator[Delivery]:
         """One epoch's batches, leaving out its first ``skip`` cells (already delivered)."""
         cfg = self.config
-        reader = Reader(self.dataset, batch_rows=cfg.read_batch_rows)
+        reader = RetryingReader(
+            Reader(self.dataset, batch_rows=cfg.read_batch_rows), cfg.retry, uri=self.dataset.uri
+        )
         plan = self.sampler.plan(self.dataset.n_cells, seed=cfg.seed, epoch=epoch)
         batcher = Batcher(cfg.batch_size, drop_last=cfg.drop_last)
         done, planned = skip, 0

@@ -1,0 +1,123 @@
+"""Stage 3b: retry a fetch after a transient storage failure, wrapping any reader.
+
+Object stores and network filesystems fail transiently (timeouts, throttling, connection
+resets). :class:`RetryingReader` reads a fetch *whole* before handing on any of its rows, so a
+failure halfway through a fetch is retried from the fetch's start and no row is delivered twice
+or skipped. Waits grow exponentially up to a bound (:class:`~slafload.config.RetryPolicy`).
+When the attempts run out, or the failure is not transient, it raises
+:class:`~slafload.errors.ReadError` naming the fetch and its cell ranges, with the storage
+error chained as its cause; the prefetcher forwards it to the consumer and its thread ends.
+
+Materializing a fetch costs no extra memory over the chunk it becomes: ``assemble`` holds all of
+a fetch's record batches at once anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
+
+import pyarrow as pa
+
+from slafload.config import RetryPolicy
+from slafload.errors import ReadError, SlafloadError
+from slafload.samplers import Fetch
+
+logger = logging.getLogger(__name__)
+
+
+class FetchReader(Protocol):
+    """Anything that turns a fetch into record batches (:class:`~slafload.reader.Reader`)."""
+
+    def read(self, fetch: Fetch) -> Iterable[pa.RecordBatch]: ...
+
+
+class RetryingReader:
+    """Wraps ``reader`` so each fetch is read whole, retrying transient failures.
+
+    Args:
+        reader: The reader to wrap; its ``read(fetch)`` is called once per attempt.
+        policy: Attempts, backoff bounds and which exceptions are transient.
+        uri: Dataset URI, named in error messages.
+        sleep: Waits between attempts (tests may pass a recorder).
+    """
+
+    def __init__(
+        self,
+        reader: FetchReader,
+        policy: RetryPolicy,
+        *,
+        uri: str = "",
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        if not isinstance(policy, RetryPolicy):
+            raise TypeError(f"policy must be a RetryPolicy, got {type(policy).__name__}")
+        self.reader = reader
+        self.policy = policy
+        self.uri = uri
+        self._sleep = sleep
+
+    def read(self, fetch: Fetch) -> Iterator[pa.RecordBatch]:
+        """The record batches of ``fetch``, read completely before the first is returned.
+
+        Raises:
+            ReadError: every attempt failed, or a non-transient storage error occurred; the
+                message names the fetch index and cell ranges and the cause is chained.
+            SlafloadError: a data error (e.g. inconsistent rows) passes through unchanged.
+        """
+        policy = self.policy
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                return iter(list(self.reader.read(fetch)))
+            except Exception as exc:
+                transient = self._is_transient(exc)
+                if not transient or attempt == policy.attempts:
+                    if isinstance(exc, SlafloadError) and not isinstance(exc, ReadError):
+                        raise
+                    raise self._failure(fetch, exc, attempt, transient) from exc
+                wait = policy.backoff(attempt)
+                logger.warning(
+                    "reading fetch %d of %r failed (attempt %d of %d: %s: %s); retrying in %.2f s",
+                    fetch.index,
+                    self.uri,
+                    attempt,
+                    policy.attempts,
+                    type(exc).__name__,
+                    exc,
+                    wait,
+                )
+                self._sleep(wait)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        if isinstance(exc, ReadError):  # the reader wraps storage errors; judge the cause
+            return exc.__cause__ is not None and self.policy.is_transient(exc.__cause__)
+        return not isinstance(exc, SlafloadError) and self.policy.is_transient(exc)
+
+    def _failure(
+        self, fetch: Fetch, exc: BaseException, attempts: int, transient: bool
+    ) -> ReadError:
+        cause = exc.__cause__ if isinstance(exc, ReadError) and exc.__cause__ else exc
+        why = (
+            f"failed {attempts} times (the last failure: {type(cause).__name__}: {cause})"
+            if transient
+            else f"failed with a non-transient {type(cause).__name__}: {cause}"
+        )
+        fix = (
+            "Check that the storage is reachable, or raise LoaderConfig.retry.attempts / "
+            "max_backoff for a flaky store."
+            if transient
+            else "Check the dataset files; add the exception class to "
+            "LoaderConfig.retry.transient if it is worth retrying."
+        )
+        return ReadError(
+            f"Reading fetch {fetch.index} (cells {_spans(fetch)}) from {self.uri!r} {why}. {fix}"
+        )
+
+
+def _spans(fetch: Fetch, limit: int = 8) -> str:
+    ranges = fetch.ranges.tolist()
+    spans = ", ".join(f"[{a}, {b})" for a, b in ranges[:limit])
+    return spans + (f", ... {len(ranges) - limit} more" if len(ranges) > limit else "")
