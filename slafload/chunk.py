@@ -49,13 +49,21 @@ class Chunk:
 
 
 def assemble(
-    fetch: Fetch, batches: Iterable[pa.RecordBatch], cell_start: np.ndarray, *, uri: str = ""
+    fetch: Fetch,
+    batches: Iterable[pa.RecordBatch],
+    cell_start: np.ndarray,
+    *,
+    uri: str = "",
+    n_genes: int | None = None,
 ) -> Chunk:
     """Concatenate a fetch's record batches into a :class:`Chunk`, validating every row.
 
+    ``n_genes`` (the ``genes`` table's row count), when given, bounds the gene ids.
+
     Raises:
         InconsistentDataError: the rows do not belong to the fetch's cells in order, a cell's
-            genes are not strictly ascending, or a value is negative or NaN.
+            genes are not strictly ascending, a gene id is ``>= n_genes``, or a value is
+            negative or NaN.
     """
     cell_ids = fetch.cell_ids()
     lengths = cell_start[cell_ids + 1] - cell_start[cell_ids]
@@ -92,6 +100,8 @@ def assemble(
             "sorted by cell_integer_id and agree with cells.cell_start_index."
         )
     _check_genes_ascending(genes, indptr, cell_ids, where)
+    if n_genes is not None:
+        _check_gene_range(genes, n_genes, indptr, cell_ids, where)
     _check_values(values, where)
     return Chunk(
         fetch.index, cell_ids, indptr, genes, values, np.arange(len(cell_ids), dtype=np.int64)
@@ -136,6 +146,20 @@ def _check_genes_ascending(
         )
 
 
+def _check_gene_range(
+    genes: np.ndarray, n_genes: int, indptr: np.ndarray, cell_ids: np.ndarray, where: str
+) -> None:
+    if int(genes.max()) < n_genes:
+        return
+    row = int(np.argmax(genes >= n_genes))
+    cell = cell_ids[np.searchsorted(indptr, row, side="right") - 1]
+    raise InconsistentDataError(
+        f"{where}: column 'gene_integer_id' holds gene {genes[row]} in cell {cell}, but "
+        f"genes.lance has only {n_genes} genes (ids 0..{n_genes - 1}). Add the missing "
+        "genes to genes.lance or renumber gene_integer_id when writing the dataset."
+    )
+
+
 def _check_values(values: np.ndarray, where: str) -> None:
     if values.dtype.kind == "u":
         return
@@ -143,6 +167,7 @@ def _check_values(values: np.ndarray, where: str) -> None:
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise InconsistentDataError(
-            f"{where}: value {values[i]} at chunk row {i} is negative or NaN; expression "
-            "values must be non-negative numbers."
+            f"{where}: column 'value' holds {values[i]} at chunk row {i}, which is negative "
+            "or NaN; expression values must be non-negative numbers. Drop or fix those rows "
+            "when writing the dataset."
         )

@@ -260,7 +260,8 @@ def _open_table(
         raise MissingTableError(
             f"Cannot open the {name} table {path!r}"
             + (f" at version {version}" if version is not None else "")
-            + f": {exc}"
+            + f": {exc}. Check that it is readable (file permissions, or credentials and "
+            "endpoint in storage_options) and not damaged; restore it from a copy if it is."
         ) from exc
 
 
@@ -307,7 +308,10 @@ def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> np.ndar
     table = cells.to_table(columns=columns)
     ids = table.column("cell_integer_id").to_numpy()
     if len(ids) == 0:
-        raise DatasetError(f"{uri!r} has no cells: cells.lance is empty. Nothing to load.")
+        raise DatasetError(
+            f"{uri!r} has no cells: cells.lance is empty. Nothing to load; write at least "
+            "one cell (rows of cells.lance with cell_integer_id and cell_start_index)."
+        )
     if not np.array_equal(ids, np.arange(len(ids))):
         bad = int(np.flatnonzero(ids != np.arange(len(ids)))[0])
         raise InconsistentDataError(
@@ -372,7 +376,9 @@ def _check_counts(
     if stated_rows is not None and int(stated_rows) != n_rows:
         raise ConfigError(
             f"config.json in {uri!r} says metadata.expression_count={stated_rows} but "
-            f"cells.cell_start_index and expression.lance imply {n_rows} rows."
+            f"cells.cell_start_index and expression.lance imply {n_rows} rows. If rows were "
+            "appended, open the expression version that matches (version=...); otherwise fix "
+            "config.json or rewrite the dataset."
         )
     stored_rows = tables["expression"].count_rows()
     if stored_rows != n_rows:
@@ -394,7 +400,14 @@ def _spot_check_expression(
         np.linspace(0, len(nonempty) - 1, min(_SPOT_CHECKS, len(nonempty))).astype(np.int64)
     ]
     rows = np.unique(np.concatenate([cell_start[cells], cell_start[cells + 1] - 1]))
-    got = expression.take(rows.tolist(), columns=["cell_integer_id"]).column(0).to_numpy()
+    try:
+        got = expression.take(rows.tolist(), columns=["cell_integer_id"]).column(0).to_numpy()
+    except Exception as exc:  # Lance reports a damaged data file as a plain OSError
+        raise MissingTableError(
+            f"expression.lance in {uri!r}: reading column 'cell_integer_id' failed, so a data "
+            f"file under expression.lance/data/ is truncated, corrupt or unreadable ({exc}). "
+            "Check its permissions, or restore the dataset from a copy or rewrite it."
+        ) from exc
     want = np.searchsorted(cell_start, rows, side="right") - 1
     if not np.array_equal(got.astype(np.int64), want):
         bad = int(np.flatnonzero(got != want)[0])

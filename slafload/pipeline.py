@@ -98,7 +98,11 @@ class Pipeline:
             if planned <= skip:
                 continue  # resuming: the consumer already holds every cell of this fetch
             chunk = assemble(
-                fetch, reader.read(fetch), self.dataset.cell_start, uri=self.dataset.uri
+                fetch,
+                reader.read(fetch),
+                self.dataset.cell_start,
+                uri=self.dataset.uri,
+                n_genes=self.dataset.n_genes,
             )
             chunk = shuffle(chunk, fetch.shuffle_seed)
             for transform in self.transforms:

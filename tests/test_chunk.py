@@ -86,12 +86,3 @@ def test_rows_contradicting_the_layout_fail_loudly(tmp_path, mutate, message):
     fetch = Fetch(0, np.array([[0, 30]]))
     with pytest.raises(InconsistentDataError, match=message):
         assemble(fetch, Reader(ds).read(fetch), ds.cell_start)
-
-
-def test_negative_or_nan_values_fail_loudly(tmp_path):
-    dense = random_counts(10, 5, seed=3).astype(np.float32)
-    dense[dense > 0] = np.where(np.arange((dense > 0).sum()) == 4, np.nan, 1.0)
-    ds = open_dataset(write_dense(tmp_path / "n.slaf", dense, value_type=pa.float32()))
-    fetch = Fetch(0, np.array([[0, 10]]))
-    with pytest.raises(InconsistentDataError, match="negative or NaN"):
-        assemble(fetch, Reader(ds).read(fetch), ds.cell_start)
