@@ -5,7 +5,7 @@ The package reads like the pipeline, one module per stage::
     dataset -> samplers -> reader -> chunk -> rank -> tokenizers -> batcher -> prefetcher -> loader
 """
 
-from slafload import samplers, synthetic
+from slafload import diversity, samplers, synthetic
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.errors import (
@@ -45,6 +45,7 @@ __all__ = [
     "Tokenizer",
     "__version__",
     "available_tokenizers",
+    "diversity",
     "open_dataset",
     "samplers",
     "synthetic",

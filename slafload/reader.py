@@ -1,14 +1,20 @@
 """Stage 3: read the expression rows of a fetch as Arrow record batches.
 
 A fetch is a list of contiguous cell ranges. ``cells.cell_start_index`` turns each into a
-contiguous row range of ``expression.lance``, read with one Lance scan (``offset``/``limit``),
-so no filter is evaluated and no row outside the fetch is decoded.
+contiguous row range of ``expression.lance``, so no filter is evaluated. How the ranges are
+read depends on their shape (numbers from ``benchmarks/read_paths.py`` and docs/sampling.md):
+
+- one range (streaming, chunk shuffle): one Lance scan with ``offset``/``limit``;
+- many ranges (block sampling): ranges whose gaps are short are coalesced into spans (scanning a
+  gap row costs ~5 ns, a separate range request ~0.2 ms); spans of a few hundred rows or more
+  are read with one ``take_scan`` call (one request, Lance parallelises it) and the wanted rows
+  cut out with Arrow ``take``; tiny spans (single cells) with one ``take`` of their row ids.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -16,10 +22,15 @@ import pyarrow as pa
 from slafload.dataset import SlafDataset
 from slafload.errors import ReadError, SlafloadError
 from slafload.samplers import Fetch
+from slafload.samplers.block import expand_ranges as expand
 
 logger = logging.getLogger(__name__)
 
 COLUMNS = ["cell_integer_id", "gene_integer_id", "value"]
+MAX_GAP_ROWS = 32_768  # gaps up to this many rows are scanned through rather than skipped
+TAKE_BELOW_ROWS = 512  # spans shorter than this on average are read by row id
+SCAN_FROM_ROWS = 1 << 18  # spans this long are scanned (take_scan is slower per row)
+_TAKE_SCAN_READAHEAD = 16
 
 
 class Reader:
@@ -46,26 +57,89 @@ class Reader:
         Raises:
             ReadError: storage failed; the message names the fetch and its cell ranges.
         """
-        expression = self.dataset.expression
-        for (cell_a, cell_b), (row_a, row_b) in zip(
-            fetch.ranges.tolist(), self.row_ranges(fetch).tolist(), strict=True
-        ):
-            if row_b == row_a:
-                continue
-            try:
-                scanner = expression.scanner(
-                    columns=COLUMNS,
-                    offset=row_a,
-                    limit=row_b - row_a,
-                    batch_size=self.batch_rows,
-                    scan_in_order=True,
+        rows = self.row_ranges(fetch)
+        rows = rows[rows[:, 1] > rows[:, 0]]
+        if len(rows) == 0:
+            return
+        try:
+            if len(rows) == 1:
+                yield from self._scan(int(rows[0, 0]), int(rows[0, 1]))
+            else:
+                yield from self._read_many(rows)
+        except SlafloadError:
+            raise
+        except Exception as exc:
+            raise ReadError(
+                f"Reading {fetch!r} (expression rows {_describe(rows)}) from "
+                f"{self.dataset.uri!r} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _scan(self, start: int, stop: int) -> Iterator[pa.RecordBatch]:
+        scanner = self.dataset.expression.scanner(
+            columns=COLUMNS,
+            offset=start,
+            limit=stop - start,
+            batch_size=self.batch_rows,
+            scan_in_order=True,
+        )
+        yield from scanner.to_batches()
+
+    def _read_many(self, rows: np.ndarray) -> Iterator[pa.RecordBatch]:
+        span_of = coalesce(rows, MAX_GAP_ROWS)
+        first = np.flatnonzero(np.diff(span_of, prepend=-1))
+        last = np.append(first[1:], len(rows)) - 1
+        spans = np.stack([rows[first, 0], rows[last, 1]], axis=1)
+        long = spans[:, 1] - spans[:, 0] >= SCAN_FROM_ROWS
+        # Runs of spans of one kind, in read order: long spans scan, runs of short ones batch.
+        cuts = np.flatnonzero(np.diff(long)) + 1
+        for group in np.split(np.arange(len(spans)), cuts):
+            if long[group[0]]:
+                for i in group.tolist():
+                    batches = self._scan(int(spans[i, 0]), int(spans[i, 1]))
+                    yield from _cut(batches, rows[first[i] : last[i] + 1], int(spans[i, 0]))
+            else:
+                yield from self._read_short(
+                    rows[first[group[0]] : last[group[-1]] + 1],
+                    spans[group],
+                    first[group],
+                    last[group] + 1,
                 )
-                yield from scanner.to_batches()
-            except SlafloadError:
-                raise
-            except Exception as exc:
-                raise ReadError(
-                    f"Reading cells [{cell_a}, {cell_b}) (expression rows [{row_a}, {row_b})) "
-                    f"of fetch {fetch.index} from {self.dataset.uri!r} failed: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+
+    def _read_short(
+        self, rows: np.ndarray, spans: np.ndarray, first: np.ndarray, stop: np.ndarray
+    ) -> Iterator[pa.RecordBatch]:
+        expression = self.dataset.expression
+        if (spans[:, 1] - spans[:, 0]).sum() < TAKE_BELOW_ROWS * len(spans):
+            table = expression.take(pa.array(expand(rows)), columns=COLUMNS)
+            yield from table.to_batches(max_chunksize=self.batch_rows)
+            return
+        reader = expression._ds.take_scan(
+            [tuple(s) for s in spans.tolist()],
+            columns=COLUMNS,
+            batch_readahead=_TAKE_SCAN_READAHEAD,
+        )
+        offset = first[0]
+        for i, batch in enumerate(reader):  # one batch per span, in request order
+            yield from _cut([batch], rows[first[i] - offset : stop[i] - offset], int(spans[i, 0]))
+
+
+def _cut(
+    batches: Iterable[pa.RecordBatch], ranges: np.ndarray, start: int
+) -> Iterator[pa.RecordBatch]:
+    """The rows of ``ranges`` from the batches of one span starting at row ``start``."""
+    if len(ranges) == 1:
+        yield from batches  # the span is exactly one range
+        return
+    span = pa.Table.from_batches(list(batches)).combine_chunks()
+    yield from span.take(pa.array(expand(ranges - start))).to_batches()
+
+
+def coalesce(ranges: np.ndarray, max_gap: int) -> np.ndarray:
+    """Span number of each range: consecutive ranges whose gap is in ``[0, max_gap]`` share one."""
+    gap = ranges[1:, 0] - ranges[:-1, 1]
+    return np.concatenate([[0], np.cumsum((gap < 0) | (gap > max_gap))])
+
+
+def _describe(rows: np.ndarray) -> str:
+    spans = ", ".join(f"[{a}, {b})" for a, b in rows[:4].tolist())
+    return spans + (f", ... {len(rows) - 4} more" if len(rows) > 4 else "")
