@@ -108,12 +108,18 @@ def assemble(
     )
 
 
+def shuffle_order(n: int, seed: int | None) -> np.ndarray:
+    """The output order of ``n`` cells shuffled with ``seed``: output ``j`` is cell ``[j]``."""
+    if seed is None:
+        return np.arange(n, dtype=np.int64)
+    return np.random.default_rng(seed).permutation(n).astype(np.int64)
+
+
 def shuffle(chunk: Chunk, seed: int | None) -> Chunk:
     """Return ``chunk`` with a seeded random output order (``seed=None`` keeps read order)."""
     if seed is None:
         return chunk
-    order = np.random.default_rng(seed).permutation(chunk.n_cells).astype(np.int64)
-    return dataclasses.replace(chunk, order=order)
+    return dataclasses.replace(chunk, order=shuffle_order(chunk.n_cells, seed))
 
 
 def _column(table: pa.Table, name: str) -> np.ndarray:

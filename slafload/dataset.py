@@ -163,7 +163,7 @@ def open_dataset(
     tables = {name: _open_table(uri, config, name, versions.get(name), opts) for name in TABLES}
     _check_schema(uri, tables)
     cell_start = _cell_offsets(uri, tables)
-    _check_counts(uri, config, tables, cell_start)
+    _check_counts(uri, config, tables, cell_start, pinned=bool(versions))
     _spot_check_expression(uri, tables["expression"], cell_start)
     ds = SlafDataset(uri=uri, config=config, cell_start=cell_start, storage_options=opts, **tables)
     logger.info("opened %r", ds)
@@ -353,33 +353,46 @@ def _check_counts(
     config: Mapping[str, Any],
     tables: Mapping[str, lance.LanceDataset],
     cell_start: np.ndarray,
+    *,
+    pinned: bool = False,
 ) -> None:
+    """Check config.json's counts against the tables.
+
+    ``config.json`` is not versioned: it describes the latest tables. When older versions are
+    pinned explicitly (resuming a checkpoint after an append), disagreement is logged, not
+    raised; the tables themselves are still checked against each other.
+    """
     n_cells, n_rows = len(cell_start) - 1, int(cell_start[-1])
     n_genes = tables["genes"].count_rows()
     if n_genes == 0:
         raise DatasetError(f"{uri!r} has no genes: genes.lance is empty. Nothing to load.")
+    problems: list[str] = []
     actual = {"n_cells": n_cells, "n_genes": n_genes}
     for key, value in actual.items():
         stated = config.get(key)
         if stated is not None and int(stated) != value:
-            raise ConfigError(
+            problems.append(
                 f"config.json in {uri!r} says {key}={stated} but the tables hold {value}. "
                 "Fix config.json or rewrite the dataset."
             )
     shape = config.get("array_shape")
     if shape is not None and list(shape) != [n_cells, n_genes]:
-        raise ConfigError(
+        problems.append(
             f"config.json in {uri!r} says array_shape={list(shape)} but the tables hold "
             f"[{n_cells}, {n_genes}]. Fix config.json or rewrite the dataset."
         )
     stated_rows = (config.get("metadata") or {}).get("expression_count")
     if stated_rows is not None and int(stated_rows) != n_rows:
-        raise ConfigError(
+        problems.append(
             f"config.json in {uri!r} says metadata.expression_count={stated_rows} but "
             f"cells.cell_start_index and expression.lance imply {n_rows} rows. If rows were "
             "appended, open the expression version that matches (version=...); otherwise fix "
             "config.json or rewrite the dataset."
         )
+    if problems and pinned:
+        logger.warning("%s (tolerated: explicit versions are pinned)", "; ".join(problems))
+    elif problems:
+        raise ConfigError(problems[0])
     stored_rows = tables["expression"].count_rows()
     if stored_rows != n_rows:
         raise InconsistentDataError(

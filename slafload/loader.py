@@ -9,6 +9,8 @@ the producer had prefetched are produced again after ``close()`` or a break, nev
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import weakref
@@ -19,12 +21,22 @@ import torch
 
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset, open_dataset
+from slafload.distributed import resolve_rank
+from slafload.errors import StateError
 from slafload.pipeline import Batch, ChunkTransform, Delivery, Pipeline, Position
 from slafload.prefetcher import Prefetcher
 from slafload.samplers import ChunkShuffle, Sampler, Streaming
+from slafload.shard import Segment
 from slafload.tokenizers import Tokenizer, make_tokenizer
+from slafload.torch_data import SlafIterableDataset
 
 logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "slafload.loader.v1"
+
+
+def _fingerprint(order: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(order, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class Loader:
@@ -59,6 +71,8 @@ class Loader:
         pin_memory: bool | None = None,
         transforms: Sequence[ChunkTransform] = (),
         obs_columns: Sequence[str] = (),
+        rank: int | None = None,
+        world_size: int | None = None,
         **settings: Any,
     ):
         unknown = set(settings) - set(LoaderConfig.__dataclass_fields__)
@@ -98,7 +112,15 @@ class Loader:
                 f"obs_columns may not include {sorted(reserved)}: every batch "
                 "already carries cell_integer_id"
             )
-        codes = {name: self.dataset.obs_codes(name) for name in obs_columns}
+        self.rank, self.world_size = resolve_rank(rank, world_size)
+        self._transforms = tuple(transforms)
+        self._obs_columns = tuple(obs_columns)
+        self._build_pipeline()
+        self._position = Position()
+        self._active: _LoaderIterator | None = None
+
+    def _build_pipeline(self) -> None:
+        codes = {name: self.dataset.obs_codes(name) for name in self._obs_columns}
         self.obs_categories = {name: cats for name, (_, cats) in codes.items()}
         self._pipeline = Pipeline(
             self.dataset,
@@ -106,11 +128,11 @@ class Loader:
             self.tokenizer,
             self.config,
             pin_memory=self.pin_memory,
-            transforms=tuple(transforms),
+            rank=self.rank,
+            world_size=self.world_size,
+            transforms=self._transforms,
             obs={name: c for name, (c, _) in codes.items()},
         )
-        self._position = Position()
-        self._active: _LoaderIterator | None = None
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -120,15 +142,105 @@ class Loader:
         return self._active
 
     def __len__(self) -> int:
-        """Batches in one full epoch."""
-        n = self.sampler.plan(self.dataset.n_cells, seed=self.config.seed, epoch=0).n_cells
+        """Batches this rank yields in one full epoch (the same on every rank)."""
+        n = self._pipeline.stream(self._position.epoch).quota
         bs = self.config.batch_size
         return n // bs if self.config.drop_last else -(-n // bs)
 
     @property
     def position(self) -> Position:
-        """Epoch and cells of that epoch handed to the consumer so far."""
+        """Epoch, and cells of it handed to this rank's consumer so far."""
         return self._position
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _order(self) -> dict[str, Any]:
+        """The settings that decide which cells come in which order."""
+        return {
+            "sampler": repr(self.sampler),
+            "seed": self.config.seed,
+            "n_cells": self.dataset.n_cells,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the consumer has received, as a small JSON-serializable dict.
+
+        Prefetched batches the consumer has not taken are not counted: after
+        :meth:`load_state_dict` they are produced again, so nothing is lost or repeated.
+        """
+        pos = self._position
+        segments = [[s.world_size, s.cells] for s in pos.history]
+        segments.append([self.world_size, pos.cells])
+        order = self._order()
+        return {
+            "format": STATE_FORMAT,
+            "dataset": {"uri": self.dataset.uri, "versions": self.dataset.versions},
+            "order": order,
+            "fingerprint": _fingerprint(order),
+            "epoch": pos.epoch,
+            "segments": segments,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "batch_size": self.config.batch_size,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (possibly taken on another number of ranks).
+
+        The dataset is re-pinned to the Lance versions recorded in the state.
+
+        Raises:
+            StateError: the state is malformed or was taken with settings that change the
+                order of cells (sampler, seed, dataset size).
+        """
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise StateError(f"not a slafload loader state (expected format {STATE_FORMAT!r})")
+        self._close_active()
+        versions = dict(state["dataset"]["versions"])
+        if versions != self.dataset.versions:
+            logger.info("re-pinning %s to the checkpoint's versions %s", self.dataset.uri, versions)
+            try:
+                self.dataset = open_dataset(
+                    self.dataset.uri, version=versions, storage_options=self.dataset.storage_options
+                )
+            except Exception as exc:
+                raise StateError(
+                    f"cannot reopen {self.dataset.uri!r} at the checkpoint's "
+                    f"versions {versions}: {exc}"
+                ) from exc
+            self._build_pipeline()
+        ours = self._order()
+        if state["fingerprint"] != _fingerprint(ours):
+            differ = {
+                k: (state["order"].get(k), v) for k, v in ours.items() if state["order"].get(k) != v
+            }
+            raise StateError(
+                "this loader would deliver cells in a different order than the one that wrote "
+                f"the state; differing settings (checkpoint, loader): {differ}. Construct the "
+                "loader with the checkpoint's sampler and seed."
+            )
+        segments = [Segment(int(w), int(c)) for w, c in state["segments"]]
+        last = segments[-1]
+        if last.world_size == self.world_size:
+            self._position = Position(int(state["epoch"]), last.cells, tuple(segments[:-1]))
+        else:  # elastic: the others' share of the old run is arithmetic, start a new segment
+            self._position = Position(int(state["epoch"]), 0, tuple(segments))
+
+    def as_torch_dataset(self) -> SlafIterableDataset:
+        """This loader as a ``torch.utils.data.IterableDataset`` (see :mod:`slafload.torch_data`)."""
+        return SlafIterableDataset(
+            uri=self.dataset.uri,
+            versions=self.dataset.versions,
+            storage_options=self.dataset.storage_options,
+            sampler=self.sampler,
+            tokenizer=self.tokenizer,
+            config=self.config,
+            rank=self.rank,
+            world_size=self.world_size,
+            transforms=self._transforms,
+            obs_columns=self._obs_columns,
+            epoch=self._position.epoch,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from slafload.rank import rank
 from slafload.reader import Reader
 from slafload.retry import RetryingReader
 from slafload.samplers import Sampler
+from slafload.shard import RankStream, Segment, rank_stream
 from slafload.tokenizers import Tokenizer
 
 Batch = dict[str, torch.Tensor]
@@ -31,10 +32,12 @@ ChunkTransform = Callable[[Chunk], Chunk]
 
 @dataclass(frozen=True)
 class Position:
-    """Where the consumer is: the first ``cells`` cells of ``epoch`` have been handed out."""
+    """Where the consumer is in ``epoch``: it holds the first ``cells`` cells of its rank's
+    stream in the current segment, after the completed (elastic-resume) ``history``."""
 
     epoch: int = 0
     cells: int = 0
+    history: tuple[Segment, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,41 +65,56 @@ class Pipeline:
     tokenizer: Tokenizer
     config: LoaderConfig
     pin_memory: bool = False
+    rank: int = 0
+    world_size: int = 1
     transforms: tuple[ChunkTransform, ...] = ()
     obs: Mapping[str, np.ndarray] | None = None  # obs column -> int64 code per cell
 
-    def run(self, start: Position) -> Iterator[Delivery]:
-        """Deliver ``config.n_epochs`` epochs (or forever) starting at ``start``."""
+    def run(self, start: Position, worker: int = 0, n_workers: int = 1) -> Iterator[Delivery]:
+        """Deliver ``config.n_epochs`` epochs (or forever) starting at ``start``.
+
+        With ``n_workers > 1`` (DataLoader workers) this worker takes every ``n_workers``-th
+        part of the rank's stream; positions are then only meaningful per worker.
+        """
         cfg = self.config
         epochs = (
             itertools.count(start.epoch)
             if cfg.n_epochs is None
             else range(start.epoch, start.epoch + cfg.n_epochs)
         )
-        skip = start.cells
+        position = start
         for epoch in epochs:
             last = None
-            for delivery in self.epoch(epoch, skip):
+            for delivery in self.epoch(epoch, position.history, position.cells, worker, n_workers):
                 if last is not None:
                     yield last
                 last = delivery
             if last is not None:  # one batch of lookahead marks the end of the epoch
-                yield Delivery(last.batch, Position(epoch + 1, 0))
-            skip = 0
+                yield Delivery(last.batch, Position(epoch + 1))
+            position = Position(epoch + 1)
 
-    def epoch(self, epoch: int, skip: int = 0) -> Iterator[Delivery]:
-        """One epoch's batches, leaving out its first ``skip`` cells (already delivered)."""
+    def stream(self, epoch: int, history: tuple[Segment, ...] = ()) -> RankStream:
+        """This rank's share of ``epoch`` after the completed segments ``history``."""
+        plan = self.sampler.plan(self.dataset.n_cells, seed=self.config.seed, epoch=epoch)
+        return rank_stream(plan, history, self.rank, self.world_size)
+
+    def epoch(
+        self,
+        epoch: int,
+        history: tuple[Segment, ...] = (),
+        skip: int = 0,
+        worker: int = 0,
+        n_workers: int = 1,
+    ) -> Iterator[Delivery]:
+        """One epoch's batches for this rank, leaving out its first ``skip`` cells."""
         cfg = self.config
         reader = RetryingReader(
             Reader(self.dataset, batch_rows=cfg.read_batch_rows), cfg.retry, uri=self.dataset.uri
         )
-        plan = self.sampler.plan(self.dataset.n_cells, seed=cfg.seed, epoch=epoch)
         batcher = Batcher(cfg.batch_size, drop_last=cfg.drop_last)
-        done, planned = skip, 0
-        for fetch in plan:
-            planned += fetch.n_cells
-            if planned <= skip:
-                continue  # resuming: the consumer already holds every cell of this fetch
+        done = skip
+        for part in self.stream(epoch, history).parts(skip, worker, n_workers):
+            fetch = part.fetch
             chunk = assemble(
                 fetch,
                 reader.read(fetch),
@@ -112,15 +130,14 @@ class Pipeline:
             arrays["cell_integer_id"] = ranked.output_cell_ids
             for name, codes in (self.obs or {}).items():
                 arrays[name] = codes[ranked.output_cell_ids]
-            first = skip - (planned - fetch.n_cells)
-            if first > 0:
-                arrays = {k: v[first:] for k, v in arrays.items()}
+            if part.skip or part.keep < fetch.n_cells:
+                arrays = {k: v[part.skip : part.keep] for k, v in arrays.items()}
             for batch in batcher.add(arrays):
                 done += len(batch["cell_integer_id"])
-                yield Delivery(self.to_torch(batch), Position(epoch, done))
+                yield Delivery(self.to_torch(batch), Position(epoch, done, history))
         for batch in batcher.finish():
             done += len(batch["cell_integer_id"])
-            yield Delivery(self.to_torch(batch), Position(epoch, done))
+            yield Delivery(self.to_torch(batch), Position(epoch, done, history))
 
     def to_torch(self, arrays: Mapping[str, np.ndarray]) -> Batch:
         batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
