@@ -76,7 +76,7 @@ class EpochItems:
 
 
 def fetch_sizes(plan: Plan) -> np.ndarray:
-    """Cells per fetch of ``plan``; plans may provide a cheap ``fetch_sizes()`` themselves."""
+    """Cells per fetch of ``plan`` (duck-typed plans may lack ``fetch_sizes``)."""
     sizes = getattr(plan, "fetch_sizes", None)
     if sizes is not None:
         return np.asarray(sizes(), dtype=np.int64)

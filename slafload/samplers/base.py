@@ -71,7 +71,12 @@ class Plan(Sequence[Fetch]):
     @property
     def n_cells(self) -> int:
         """Cells delivered by the whole plan (sum over fetches)."""
-        return sum(f.n_cells for f in self)
+        return int(self.fetch_sizes().sum())
+
+    def fetch_sizes(self) -> np.ndarray:
+        """``int64[len(self)]`` cells per fetch. Subclasses compute it without building fetches
+        (sharding among ranks needs every size up front)."""
+        return np.array([f.n_cells for f in self], dtype=np.int64)
 
 
 @runtime_checkable

@@ -27,6 +27,10 @@ class _ChunkPlan(Plan):
     def n_cells(self) -> int:
         return self._n_cells
 
+    def fetch_sizes(self) -> np.ndarray:
+        starts = self._order * self._chunk_cells
+        return np.minimum(starts + self._chunk_cells, self._n_cells) - starts
+
     def fetch(self, index: int) -> Fetch:
         start = int(self._order[index]) * self._chunk_cells
         stop = min(start + self._chunk_cells, self._n_cells)
