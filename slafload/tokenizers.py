@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from slafload.ranges import expand
 from slafload.rank import RankedChunk
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
@@ -64,13 +65,14 @@ def _destinations(
     ``row_of_cell[c]``, column ``first_col + rank``. Returns flat indices and the selector of
     the entries they belong to (a ``slice`` when every entry fits, so nothing is copied).
     """
-    base = ranked.row_of_cell * width + first_col - ranked.indptr[:-1]
-    flat = np.repeat(base, ranked.lengths)
-    if len(flat) and ranked.lengths.max() > limit:
-        keep = np.flatnonzero(ranked.entry_rank < limit)
-        return flat[keep] + keep, keep
-    flat += np.arange(len(flat))
-    return flat, slice(None)
+    lengths, starts = ranked.lengths, ranked.indptr[:-1]
+    flat = expand(ranked.row_of_cell * width + first_col, lengths)
+    over = np.flatnonzero(lengths > limit)
+    if len(over) == 0:
+        return flat, slice(None)
+    keep = np.ones(len(flat), dtype=bool)  # few cells overflow: drop just their excess
+    keep[expand(starts[over] + limit, lengths[over] - limit)] = False
+    return flat[keep], keep
 
 
 def _gene_tokens(ranked: RankedChunk, keep: np.ndarray | slice) -> np.ndarray:

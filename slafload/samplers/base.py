@@ -14,6 +14,8 @@ from typing import Protocol, overload, runtime_checkable
 
 import numpy as np
 
+from slafload.ranges import expand
+
 
 @dataclass(frozen=True, eq=False)
 class Fetch:
@@ -36,9 +38,7 @@ class Fetch:
 
     def cell_ids(self) -> np.ndarray:
         """The cells of this fetch in read order (before any shuffle)."""
-        lengths = self.ranges[:, 1] - self.ranges[:, 0]
-        offsets = np.repeat(self.ranges[:, 0] - np.cumsum(lengths) + lengths, lengths)
-        return offsets + np.arange(int(lengths.sum()), dtype=np.int64)
+        return expand(self.ranges[:, 0], self.ranges[:, 1] - self.ranges[:, 0])
 
     def __repr__(self) -> str:
         spans = ", ".join(f"[{a}, {b})" for a, b in self.ranges[:4].tolist())
