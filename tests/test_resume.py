@@ -13,19 +13,39 @@ from conftest import random_counts, write_dense
 from resume_conformance import assert_resumes_exactly
 
 from slafload import Loader, StateError, open_dataset
-from slafload.samplers import ChunkShuffle, Streaming
+from slafload.samplers import (
+    BlockShuffle,
+    ChunkShuffle,
+    ClassBalanced,
+    Streaming,
+    Subset,
+    Weighted,
+)
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 
-SAMPLERS = {
+N = 230
+WEIGHTS = np.random.default_rng(0).random(N)
+LABELS = np.arange(N) // 60
+SAMPLERS = {  # every sampler slafload ships, at small sizes
     "streaming": lambda: Streaming(chunk_cells=40),
     "chunk_shuffle": lambda: ChunkShuffle(chunk_cells=40),
+    "block_shuffle": lambda: BlockShuffle(block_size=4, fetch_factor=3, batch_size=9),
+    "random": lambda: BlockShuffle(block_size=1, fetch_factor=2, batch_size=9),
+    "weighted_replacement": lambda: Weighted(
+        WEIGHTS, replacement=True, block_size=2, fetch_factor=2, batch_size=9
+    ),
+    "weighted_no_replacement": lambda: Weighted(
+        WEIGHTS, replacement=False, block_size=3, fetch_factor=2, batch_size=9
+    ),
+    "class_balanced": lambda: ClassBalanced(LABELS, block_size=2, fetch_factor=2, batch_size=9),
+    "subset": lambda: Subset(ChunkShuffle(chunk_cells=25), np.arange(0, N, 3)),
 }
 
 
 @pytest.fixture(scope="module")
 def atlas(tmp_path_factory):
-    dense = random_counts(230, 30, seed=3, empty_every=17)
+    dense = random_counts(N, 30, seed=3, empty_every=17)
     return write_dense(tmp_path_factory.mktemp("resume") / "r.slaf", dense, max_rows_per_file=301)
 
 
