@@ -6,7 +6,7 @@ run takes one to two minutes; ``--tiny`` takes seconds. With a GPU, batches are 
 loader's producer thread and copied with ``non_blocking=True``.
 
     python examples/train_mlm.py                   # train, checkpoint to data/mlm_checkpoint.pt
-    python examples/train_mlm.py --steps 600 --resume   # continue where the checkpoint stopped
+    python examples/train_mlm.py --steps 400 --resume   # continue where the checkpoint stopped
 
 The checkpoint holds the model, the optimizer, the masking RNG and the loader's position
 together, so a resumed run sees exactly the batches and masks an uninterrupted run would.
@@ -97,20 +97,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--metrics", default=None, help="append one JSON line per logged step")
     p.add_argument("--tiny", action="store_true", help="seconds-long run (tests, smoke checks)")
-    p.add_argument("--n-cells", type=int, default=20_000)
-    p.add_argument("--n-genes", type=int, default=2_000)
-    p.add_argument("--mean-nnz", type=int, default=200)
+    p.add_argument("--n-cells", type=int, default=10_000)
+    p.add_argument("--n-genes", type=int, default=1_000)
+    p.add_argument("--mean-nnz", type=int, default=150)
     p.add_argument("--max-genes", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--chunk-cells", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=300, help="total optimizer steps")
+    p.add_argument("--steps", type=int, default=200, help="total optimizer steps")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--mask-prob", type=float, default=0.15)
     p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     known, _ = p.parse_known_args(argv)
     if known.tiny:

@@ -1,0 +1,69 @@
+"""Opt-in scGPT binning choices beyond the default per-cell quantile bins.
+
+The built-in ``scgpt`` tokenizer bins like scGPT (per-cell quantiles, see
+:func:`slafload.tokenizers.quantile_bins`). :class:`ScGPTFixedBins` keeps its exact layout
+(``input_ids``, ``attention_mask``, ``values`` of width ``max_genes + 2``) but fills
+``values`` with slafdb's fixed-width bins instead::
+
+    Loader(ds, tokenizer=ScGPTFixedBins(max_genes=1024, n_bins=10))
+
+What slafdb 0.5.2 does (``slaf/ml/aggregators.py``, ``ScGPTWindow.apply`` with
+``use_binned_expressions=True``): it keeps the genes of dense expression rank
+``<= max_genes``, takes ``log1p`` of their values, and bins each as
+``floor(log1p(x) * n_bins / max(log1p(x) over the cell))`` clipped to ``[0, n_bins - 1]``:
+``n_bins`` equal-width bins over ``[0, log1p(cell max)]``, the cell's maximum landing in the top
+bin. Its loader never uses those bins by default (``use_binned_expressions=False``, so
+``values`` carry raw counts); and when enabled, the window emits the bins as floats, which
+``ScGPTTokenizer`` bins a second time (``int(bin * n_bins)`` clipped), so every bin >= 1
+collapses into the top token and bin 0 becomes PAD. slafload implements the window's
+formula: the value token is ``bin + value_offset`` for every kept gene, bin 0 included.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from slafload.rank import RankedChunk
+from slafload.tokenizers import VALUE_OFFSET, ScGPT
+
+
+def fixed_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
+    """slafdb's fixed-width log1p bins of every entry of ``ranked`` (``int64``, 0..n_bins-1).
+
+    Each cell's values are in descending order, so the cell maximum is its first entry.
+    """
+    logs = np.log1p(ranked.values.astype(np.float64))
+    if not len(logs):
+        return np.zeros(0, dtype=np.int64)
+    top = logs[ranked.indptr[:-1][ranked.entry_cell]]
+    bins = np.floor(logs * n_bins / top)
+    return np.clip(bins, 0, n_bins - 1).astype(np.int64)
+
+
+class ScGPTFixedBins:
+    """The ``scgpt`` layout with slafdb's fixed-width log1p bins in ``values``.
+
+    Args:
+        max_genes: Gene tokens per cell (width ``max_genes + 2``), top genes by expression.
+        n_bins: Bins ``0..n_bins-1`` (slafdb's default is 10).
+        value_offset: Added to every bin (slafdb's 50,000).
+    """
+
+    name = "scgpt_fixed"
+
+    def __init__(
+        self, *, max_genes: int = 1024, n_bins: int = 10, value_offset: int = VALUE_OFFSET
+    ):
+        if not isinstance(n_bins, int) or n_bins < 1:
+            raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}")
+        # The built-in supplies ids, mask and padding; its cheapest quantile values are
+        # overwritten below.
+        self._layout = ScGPT(max_genes=max_genes, n_bins=3, value_offset=value_offset)
+        self.max_genes, self.n_bins, self.value_offset = max_genes, n_bins, value_offset
+
+    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        out = self._layout(ranked)
+        keep = ranked.top(self.max_genes)
+        rows, cols = ranked.entry_row[keep], ranked.entry_rank[keep] + 1
+        out["values"][rows, cols] = fixed_bins(ranked, self.n_bins)[keep] + self.value_offset
+        return out
