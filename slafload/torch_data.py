@@ -6,9 +6,11 @@ stack insists on ``torch.utils.data.DataLoader``, ``loader.as_torch_dataset()`` 
 multiprocessing_context="spawn")`` (Lance is not fork-safe). The rank's share of each epoch is
 split among the ``k`` workers by parts, so every cell still comes exactly once per epoch.
 
-Each worker process reopens the dataset at the loader's pinned Lance versions. As with
-``DistributedSampler``, call ``set_epoch(e)`` before each epoch when ``num_workers > 0``: the
-workers hold copies of this object, so an epoch counter they advanced would be lost.
+Each worker process reopens the dataset at the loader's pinned Lance versions. Every iteration
+advances the epoch counter of the object iterated: in-process, and in persistent workers
+(``persistent_workers=True``), epochs therefore advance by themselves. Non-persistent workers
+iterate fresh copies each epoch, so, as with ``DistributedSampler``, call ``set_epoch(e)``
+before each epoch; it is harmless in the other cases.
 """
 
 from __future__ import annotations
@@ -91,8 +93,7 @@ class SlafIterableDataset(IterableDataset[Batch]):
         worker, n_workers = (0, 1) if info is None else (info.id, info.num_workers)
         pipeline = self._open()
         epoch = self.epoch
-        if info is None:
-            self.epoch += 1  # in-process iteration advances by itself
+        self.epoch += 1  # in-process and persistent workers advance by themselves
         for delivery in pipeline.epoch(epoch, worker=worker, n_workers=n_workers):
             yield delivery.batch
 
