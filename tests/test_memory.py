@@ -89,4 +89,4 @@ def test_rss_does_not_grow_with_dataset_size_at_fixed_settings(measured):
     # Tokenized, the large dataset alone is 32000 x 66 int64 ids = 16 MiB, its rows ~7 MiB.
     assert measured["large"]["cells"] == 32000
     small, large = measured["small"]["rss"][-1], measured["large"]["rss"][-1]
-    assert large - small < 8 * MiB, (small / MiB, large / MiB)
+    assert large - small < 10 * MiB, (small / MiB, large / MiB)
