@@ -60,3 +60,11 @@ def test_arguments_are_validated(kwargs, match):
         FeistelPermutation(**kwargs)
     with pytest.raises(IndexError):
         FeistelPermutation(5, seed=0)(np.array([5]))
+
+
+@pytest.mark.parametrize("n", [1, 6, 97, 4096, 100_003])
+def test_the_inverse_undoes_the_permutation(n):
+    perm = FeistelPermutation(n, seed=9)
+    values = perm(np.arange(n))
+    np.testing.assert_array_equal(perm.inverse(values), np.arange(n))
+    assert perm.inverse(values[n // 2]) == n // 2

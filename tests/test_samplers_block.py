@@ -91,3 +91,9 @@ def test_the_loader_delivers_every_cell_once_per_epoch_with_block_shuffle(tmp_pa
     lengths = np.array([b["attention_mask"].sum(axis=1).numpy() for b in batches[:1]])[0]
     want = np.minimum((dense[batches[0]["cell_integer_id"].numpy()] > 0).sum(axis=1) + 2, 8)
     np.testing.assert_array_equal(lengths, want)
+
+
+@pytest.mark.parametrize("n_cells", [0, 1, 17, 1000, 1001])
+def test_fetch_sizes_match_the_fetches_without_building_them(n_cells):
+    plan = BlockShuffle(block_size=7, fetch_factor=3, batch_size=5).plan(n_cells, seed=2, epoch=1)
+    np.testing.assert_array_equal(plan.fetch_sizes(), [f.n_cells for f in plan])

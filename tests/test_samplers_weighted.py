@@ -74,6 +74,7 @@ def test_fetches_read_sorted_block_ranges_and_shuffle_in_memory():
     for fetch in plan:
         assert (np.diff(fetch.ranges[:, 0]) >= 0).all() and fetch.shuffle_seed is not None
     assert plan[0].n_cells == 100
+    np.testing.assert_array_equal(plan.fetch_sizes(), [f.n_cells for f in plan])
 
 
 def test_class_balanced_draws_every_class_equally_often():

@@ -27,6 +27,7 @@ def test_every_subset_cell_is_planned_once_and_no_other_cell(sampler):
     plan = Subset(sampler, rng.permutation(ids)).plan(1000, seed=2, epoch=1)
     np.testing.assert_array_equal(np.sort(plan_cells(plan)), ids)
     assert plan.n_cells == len(ids)
+    np.testing.assert_array_equal(plan.fetch_sizes(), [f.n_cells for f in plan])
     for fetch in plan:
         assert (fetch.ranges[:, 1] > fetch.ranges[:, 0]).all()
 

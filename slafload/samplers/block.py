@@ -72,6 +72,16 @@ class _BlockPlan(Plan):
     def n_cells(self) -> int:
         return self._n_cells
 
+    def fetch_sizes(self) -> np.ndarray:
+        blocks = np.full(len(self), self._per_fetch, dtype=np.int64)
+        if len(blocks):
+            blocks[-1] = self._n_blocks - self._per_fetch * (len(blocks) - 1)
+        sizes = blocks * self._block_size
+        if self._n_blocks:  # the fetch holding the short last block
+            short = self._n_blocks * self._block_size - self._n_cells
+            sizes[int(self._perm.inverse(self._n_blocks - 1)) // self._per_fetch] -= short
+        return sizes
+
     def fetch(self, index: int) -> Fetch:
         first = index * self._per_fetch
         positions = np.arange(first, min(first + self._per_fetch, self._n_blocks))

@@ -57,15 +57,29 @@ class FeistelPermutation:
 
     def __call__(self, indices: np.ndarray | int) -> np.ndarray:
         """``perm[i]`` for every ``i`` in ``indices`` (each in ``[0, n)``), as ``int64``."""
-        x = np.array(indices, dtype=np.int64, ndmin=1)
+        return self._walk(indices, self._encrypt)
+
+    def inverse(self, values: np.ndarray | int) -> np.ndarray:
+        """``i`` such that ``perm[i] == v`` for every ``v`` in ``values`` (each in ``[0, n)``)."""
+        return self._walk(values, self._decrypt)
+
+    def _walk(self, items: np.ndarray | int, step) -> np.ndarray:
+        x = np.array(items, dtype=np.int64, ndmin=1)
         if len(x) and (x.min() < 0 or x.max() >= self.n):
-            raise IndexError(f"indices must lie in [0, {self.n}), got [{x.min()}, {x.max()}]")
-        out = self._encrypt(x.astype(np.uint64))
+            raise IndexError(f"arguments must lie in [0, {self.n}), got [{x.min()}, {x.max()}]")
+        out = step(x.astype(np.uint64))
         outside = np.flatnonzero(out >= np.uint64(self.n))
         while len(outside):  # cycle walking: every cycle of the 4**h permutation meets [0, n)
-            out[outside] = self._encrypt(out[outside])
+            out[outside] = step(out[outside])
             outside = outside[out[outside] >= np.uint64(self.n)]
-        return out.astype(np.int64).reshape(np.shape(indices))
+        return out.astype(np.int64).reshape(np.shape(items))
+
+    def _decrypt(self, x: np.ndarray) -> np.ndarray:
+        h = np.uint64(self._half)
+        left, right = x >> h, x & self._mask
+        for key in self._keys[::-1]:
+            left, right = right ^ self._round(left, key), left
+        return (left << h) | right
 
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
         h = np.uint64(self._half)

@@ -93,6 +93,9 @@ class _SubsetPlan(Plan):
     def n_cells(self) -> int:
         return self._inner.n_cells
 
+    def fetch_sizes(self) -> np.ndarray:
+        return self._inner.fetch_sizes()
+
     def fetch(self, index: int) -> Fetch:
         inner = self._inner.fetch(index)
         return Fetch(inner.index, self.to_cells(inner.ranges), inner.shuffle_seed)

@@ -55,6 +55,10 @@ class _DrawPlan(Plan):
     def n_cells(self) -> int:
         return int((self._stops - self._starts).sum())
 
+    def fetch_sizes(self) -> np.ndarray:
+        firsts = np.arange(0, len(self._starts), self._per_fetch)
+        return np.add.reduceat(self._stops - self._starts, firsts) if len(firsts) else firsts
+
     def fetch(self, index: int) -> Fetch:
         part = slice(index * self._per_fetch, (index + 1) * self._per_fetch)
         ranges = merge_ranges(self._starts[part], self._stops[part])
