@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -75,19 +74,6 @@ def mask_genes(
     masked = is_gene & (draw < prob)
     labels = torch.where(masked, ids, torch.full_like(ids, -100))
     return torch.where(masked, torch.full_like(ids, MASK), ids), labels
-
-
-def loader_state(loader: slafload.Loader) -> dict:
-    if hasattr(loader, "state_dict"):
-        return loader.state_dict()
-    return {"position": asdict(loader.position)}
-
-
-def restore_loader(loader: slafload.Loader, state: dict) -> None:
-    if hasattr(loader, "load_state_dict"):
-        loader.load_state_dict(state)
-    else:  # until Loader grows load_state_dict: the position is all it needs
-        loader._position = slafload.loader.Position(**state["position"])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -149,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         masking.set_state(state["masking_rng"])
-        restore_loader(loader, state["loader"])
+        loader.load_state_dict(state["loader"])
         step = state["step"]
         print(f"resumed at step {step}, loader {state['loader']}", flush=True)
     print(f"{ds!r}\nmodel: {sum(p.numel() for p in model.parameters()):,} parameters on {device}")
@@ -160,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "masking_rng": masking.get_state(),
-            "loader": loader_state(loader),
+            "loader": loader.state_dict(),
             "dataset_versions": ds.versions,
             "step": step,
             "args": vars(args),
@@ -199,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
                 save()
     if metrics:
         metrics.close()
-    print(f"saved {checkpoint} at step {step}, loader {loader_state(loader)}")
+    print(f"saved {checkpoint} at step {step}, loader {loader.state_dict()}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from slafload.errors import SlafloadError
 logger = logging.getLogger(__name__)
 
 FORMAT = "slafload.gene_medians"
-DEFAULT_MAX_VALUES = 1 << 24  # values held at once: ~16.8M, ~400 MB peak while sorting
+DEFAULT_MAX_VALUES = 1 << 23  # values held at once: ~8.4M, ~500 MB peak (~60 B per value)
 
 
 class MediansError(SlafloadError, ValueError):
@@ -144,7 +144,8 @@ def gene_medians(
     each gene's median is read at its middle offset (mean of the two middles for an even count,
     as ``np.median``). Otherwise a first scan counts non-zeros per gene (and cell totals for
     ``target_sum``), blocks are cut from those counts, and each block costs one more scan that
-    keeps only its genes. Memory: about 24 bytes per held value (gene, value, sort index) plus
+    keeps only its genes. Memory: about 60 bytes of peak RSS per held value (cell, gene and
+    value columns, the sort index and permuted copy, Arrow buffers; measured) plus
     ``8 * (n_genes + n_cells)`` bytes; a single gene with more than ``max_values`` non-zeros
     gets a block of its own and exceeds the budget. Scans read the pinned Lance version.
 

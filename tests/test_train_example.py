@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from slafload import Loader
@@ -22,9 +23,14 @@ def load_script():
     return module
 
 
-def tiny_args(tmp_path: Path, *extra: str) -> list[str]:
+def tiny_args(tmp_path: Path, *extra: str, name: str = "") -> list[str]:
     return ["--tiny", "--data", str(tmp_path / "atlas.slaf"), "--checkpoint",
-            str(tmp_path / "ckpt.pt"), "--metrics", str(tmp_path / "metrics.jsonl"), *extra]  # fmt: skip
+            str(tmp_path / f"ckpt{name}.pt"), "--metrics", str(tmp_path / f"metrics{name}.jsonl"),
+            *extra]  # fmt: skip
+
+
+def logged(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path, capsys):
@@ -43,10 +49,16 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path, caps
     last = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert last["step"] == 24
 
-    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in logged] == [4, 8, 12, 16, 20, 24]  # no step repeated or lost
-    losses = [m["loss"] for m in logged]
+    metrics = logged(tmp_path / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [4, 8, 12, 16, 20, 24]  # no step repeated or lost
+    losses = [m["loss"] for m in metrics]
     assert losses[-1] < losses[0] - 0.1, losses
+
+    # Model, optimizer, masking RNG and loader were restored together: the interrupted run's
+    # losses are those of one uninterrupted run.
+    train_mlm.main(tiny_args(tmp_path, "--steps", "24", name="-whole"))
+    whole = [m["loss"] for m in logged(tmp_path / "metrics-whole.jsonl")]
+    np.testing.assert_allclose(losses, whole, rtol=1e-5)
 
     # The resumed loader continued where the first run stopped: its state equals that of one
     # loader that handed out all 24 batches without interruption.
@@ -57,5 +69,5 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path, caps
         batches = iter(loader)
         for _ in range(24):
             next(batches)
-        assert last["loader"] == train_mlm.loader_state(loader)
+        assert last["loader"] == loader.state_dict()
         assert first["loader"] != last["loader"]
