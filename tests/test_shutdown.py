@@ -116,3 +116,24 @@ def test_garbage_collecting_the_loader_mid_chunk_stops_the_producer(busy_dataset
     elapsed = time.monotonic() - start
     assert elapsed < LIMIT, elapsed
     assert not producers()
+
+
+def test_ctrl_c_while_the_consumer_waits_for_a_batch_stops_the_producer(busy_dataset):
+    import _thread
+
+    signal = ChunkSignal(at=0)
+
+    def interrupt_once_busy() -> None:
+        if signal.entered.wait(30):
+            _thread.interrupt_main()  # what Ctrl-C does: KeyboardInterrupt in the main thread
+
+    with busy_loader(busy_dataset, signal) as loader:
+        iterator = iter(loader)
+        threading.Thread(target=interrupt_once_busy, name="ctrl-c").start()
+        with pytest.raises(KeyboardInterrupt):
+            while True:  # the first batch needs the whole first chunk: next() blocks
+                next(iterator)
+        start = time.monotonic()
+    elapsed = time.monotonic() - start
+    assert elapsed < LIMIT, elapsed
+    assert not producers()
