@@ -7,6 +7,7 @@ The package reads like the pipeline, one module per stage::
 
 from slafload import diversity, samplers, synthetic
 from slafload.config import LoaderConfig
+from slafload.convert import convert
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.errors import (
     ConfigError,
@@ -45,6 +46,7 @@ __all__ = [
     "Tokenizer",
     "__version__",
     "available_tokenizers",
+    "convert",
     "diversity",
     "open_dataset",
     "samplers",

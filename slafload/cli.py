@@ -1,0 +1,234 @@
+"""The ``slafload`` command line: convert, info, synth, bench.
+
+User mistakes (a missing file, a path that is not a SLAF dataset, bad arguments) print one line
+to stderr and exit with status 2, without a traceback. Anything else is a bug and propagates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import polars as pl
+
+from slafload.errors import DatasetError
+
+_USER_ERRORS = (DatasetError, FileNotFoundError, FileExistsError, ValueError)
+_OPTIONAL = ("anndata", "h5py", "scipy", "pandas")  # needed by convert only
+_MAX_CATEGORIES = 8
+
+_EPILOG = """examples:
+  slafload convert plate1.h5ad plate2.h5ad atlas.slaf --layer counts
+  slafload convert big.h5ad atlas.slaf --shuffle-seed 0     # pre-shuffled for plain streaming
+  slafload info atlas.slaf
+  slafload synth toy.slaf --cells 10000 --genes 2000 --plates 14
+  slafload bench --cells 20000 --no-peers                   # see slafload bench --help
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports bad arguments on one line (argparse prints the usage block too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="slafload",
+        description="Convert AnnData to SLAF, inspect SLAF datasets, write synthetic atlases "
+        "and benchmark slafload's loader.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    c = sub.add_parser(
+        "convert",
+        help="convert .h5ad file(s) into one SLAF dataset",
+        description="Convert one or more .h5ad files into one SLAF dataset, reading them in "
+        "cell chunks (memory stays bounded whatever the file size). Several inputs are "
+        "concatenated in order, with a 'source' obs column; their genes must match. Integer "
+        "counts are stored as uint16 (uint32 when they do not fit), other values as float32.",
+    )
+    c.add_argument("paths", nargs="+", metavar="PATH", help="input .h5ad file(s), then OUT.slaf")
+    which = c.add_mutually_exclusive_group()
+    which.add_argument("--layer", metavar="NAME", help="convert layers[NAME] instead of X")
+    which.add_argument("--raw", action="store_true", help="convert raw.X (and raw.var)")
+    c.add_argument(
+        "--shuffle-seed",
+        type=int,
+        metavar="N",
+        help="write cells in a seeded shuffled block order (keeps ids in 'original_index')",
+    )
+    c.add_argument(
+        "--shuffle-block",
+        type=int,
+        default=8,
+        metavar="CELLS",
+        help="consecutive cells kept together by --shuffle-seed (default: 8)",
+    )
+    c.add_argument("--chunk-cells", type=int, metavar="CELLS", help="cells read per chunk")
+    c.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    c.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    i = sub.add_parser(
+        "info",
+        help="summarise a SLAF dataset",
+        description="Cells, genes, non-zeros, sparsity, obs columns (with categories), and the "
+        "Lance version and fragment count of each table.",
+    )
+    i.add_argument("path", metavar="PATH", help="SLAF dataset directory or URI")
+
+    s = sub.add_parser(
+        "synth",
+        help="write a synthetic plate-structured atlas",
+        description="Write a seeded synthetic SLAF atlas (slafload.synthetic.write_atlas).",
+    )
+    s.add_argument("path", metavar="OUT", help="dataset directory to create")
+    s.add_argument("--cells", type=int, default=10_000, help="number of cells (default: 10000)")
+    s.add_argument("--genes", type=int, default=20_000, help="number of genes (default: 20000)")
+    s.add_argument("--plates", type=int, default=14, help="number of plates (default: 14)")
+    s.add_argument(
+        "--nnz", type=int, help="mean non-zeros per cell (default: 800, at most --genes)"
+    )
+    s.add_argument(
+        "--empty-fraction", type=float, default=0.0, help="fraction of cells with no counts"
+    )
+    s.add_argument("--float", action="store_true", help="log-normalised float32 values")
+    s.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    s.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    sub.add_parser(
+        "bench",
+        help="throughput benchmark against the raw Lance floor and slafdb",
+        add_help=False,
+        description="Arguments are those of `slafload bench --help`.",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["bench"]:  # bench owns its arguments
+        from slafload import bench
+
+        bench.main(args_list[1:])
+        return 0
+    args = _parser().parse_args(args_list)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return {"convert": _convert, "info": _info, "synth": _synth}[args.command](args)
+    except _USER_ERRORS as exc:
+        print(f"slafload {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if exc.name not in _OPTIONAL:
+            raise
+        print(
+            f"slafload {args.command}: error: {exc}. Install it with: "
+            "pip install 'slafload[anndata]'",
+            file=sys.stderr,
+        )
+        return 2
+    except KeyboardInterrupt:
+        print(f"slafload {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from slafload import open_dataset
+    from slafload.convert import convert
+
+    if len(args.paths) < 2:
+        raise ValueError("give at least one input .h5ad and then the output path")
+    *inputs, output = args.paths
+    path = convert(
+        inputs,
+        output,
+        layer=args.layer,
+        raw=args.raw,
+        shuffle_seed=args.shuffle_seed,
+        shuffle_block=args.shuffle_block,
+        chunk_cells=args.chunk_cells,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    ds = open_dataset(path)
+    print(
+        f"wrote {path}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros "
+        f"({ds.value_type})"
+    )
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from slafload import open_dataset
+
+    ds = open_dataset(args.path)
+    total = ds.n_cells * ds.n_genes
+    lines = [
+        f"dataset    {ds.uri}",
+        f"cells      {ds.n_cells:,}",
+        f"genes      {ds.n_genes:,}",
+        f"non-zeros  {ds.n_rows:,} ({ds.n_rows / ds.n_cells:,.1f} per cell)",
+        f"sparsity   {1 - ds.n_rows / total:.4%}",
+        f"values     {ds.value_type}, gene ids {ds.gene_type}",
+        "tables     "
+        + "; ".join(
+            f"{name}: version {version}, {len(getattr(ds, name).get_fragments())} fragment(s)"
+            for name, version in ds.versions.items()
+        ),
+        "obs columns",
+    ]
+    skip = {"cell_integer_id", "cell_start_index"}
+    for name in ds.cells.schema.names:
+        if name not in skip:
+            lines.append(f"  {name}: {_describe(ds.obs([name]).get_column(name))}")
+    print("\n".join(lines))
+    return 0
+
+
+def _describe(column: pl.Series) -> str:
+    """dtype plus categories (strings, booleans) or range (numbers)."""
+    dtype = str(column.dtype)
+    if column.dtype.is_numeric():
+        if column.null_count() == len(column):
+            return f"{dtype}, all null"
+        return f"{dtype}, range [{column.min()}, {column.max()}]"
+    values = column.cast(pl.String).unique().sort(nulls_last=True).to_list()
+    shown = ", ".join("null" if v is None else str(v) for v in values[:_MAX_CATEGORIES])
+    more = f", ... (+{len(values) - _MAX_CATEGORIES} more)" if len(values) > _MAX_CATEGORIES else ""
+    return f"{dtype}, {len(values):,} distinct: {shown}{more}"
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from slafload.synthetic import write_atlas
+
+    path = write_atlas(
+        args.path,
+        n_cells=args.cells,
+        n_genes=args.genes,
+        n_plates=args.plates,
+        mean_nnz=args.nnz if args.nnz is not None else min(800, args.genes),
+        empty_fraction=args.empty_fraction,
+        seed=args.seed,
+        value_dtype="float32" if args.float else "uint16",
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    print(f"wrote {path}: {args.cells:,} cells x {args.genes:,} genes, {args.plates} plates")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
