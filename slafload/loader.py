@@ -273,7 +273,7 @@ class _LoaderIterator(Iterator[Batch]):
         self._loader = weakref.ref(loader)
         start, pipeline = loader.position, loader._pipeline
         self._prefetcher: Prefetcher[Delivery] = Prefetcher(
-            lambda: pipeline.run(start), depth=loader.config.queue_depth
+            lambda stop: pipeline.run(start, stop=stop), depth=loader.config.queue_depth
         )
         self._device = loader.device
         self._non_blocking = loader.pin_memory

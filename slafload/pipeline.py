@@ -9,6 +9,8 @@ garbage-collected and stop its thread.
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -70,11 +72,18 @@ class Pipeline:
     transforms: tuple[ChunkTransform, ...] = ()
     obs: Mapping[str, np.ndarray] | None = None  # obs column -> int64 code per cell
 
-    def run(self, start: Position, worker: int = 0, n_workers: int = 1) -> Iterator[Delivery]:
+    def run(
+        self,
+        start: Position,
+        worker: int = 0,
+        n_workers: int = 1,
+        stop: threading.Event | None = None,
+    ) -> Iterator[Delivery]:
         """Deliver ``config.n_epochs`` epochs (or forever) starting at ``start``.
 
         With ``n_workers > 1`` (DataLoader workers) this worker takes every ``n_workers``-th
-        part of the rank's stream; positions are then only meaningful per worker.
+        part of the rank's stream; positions are then only meaningful per worker. A set
+        ``stop`` event ends the run between stages, so shutdown never waits for a whole chunk.
         """
         cfg = self.config
         epochs = (
@@ -85,10 +94,15 @@ class Pipeline:
         position = start
         for epoch in epochs:
             last = None
-            for delivery in self.epoch(epoch, position.history, position.cells, worker, n_workers):
+            deliveries = self.epoch(
+                epoch, position.history, position.cells, worker, n_workers, stop=stop
+            )
+            for delivery in deliveries:
                 if last is not None:
                     yield last
                 last = delivery
+            if stop is not None and stop.is_set():
+                return
             if last is not None:  # one batch of lookahead marks the end of the epoch
                 yield Delivery(last.batch, Position(epoch + 1))
             position = Position(epoch + 1)
@@ -105,11 +119,16 @@ class Pipeline:
         skip: int = 0,
         worker: int = 0,
         n_workers: int = 1,
+        stop: threading.Event | None = None,
     ) -> Iterator[Delivery]:
         """One epoch's batches for this rank, leaving out its first ``skip`` cells."""
         cfg = self.config
+        stopped = stop.is_set if stop is not None else (lambda: False)
         reader = RetryingReader(
-            Reader(self.dataset, batch_rows=cfg.read_batch_rows), cfg.retry, uri=self.dataset.uri
+            Reader(self.dataset, batch_rows=cfg.read_batch_rows),
+            cfg.retry,
+            uri=self.dataset.uri,
+            sleep=stop.wait if stop is not None else time.sleep,  # a backoff ends on close()
         )
         batcher = Batcher(cfg.batch_size, drop_last=cfg.drop_last)
         done = skip
@@ -122,10 +141,14 @@ class Pipeline:
                 uri=self.dataset.uri,
                 n_genes=self.dataset.n_genes,
             )
+            if stopped():
+                return
             chunk = shuffle(chunk, fetch.shuffle_seed)
             for transform in self.transforms:
                 chunk = transform(chunk)
             ranked = rank(chunk)
+            if stopped():
+                return
             arrays = dict(self.tokenizer(ranked))
             arrays["cell_integer_id"] = ranked.output_cell_ids
             for name, codes in (self.obs or {}).items():

@@ -32,11 +32,12 @@ class _Failure:
 
 
 class Prefetcher(Generic[T]):
-    """Iterates ``produce()`` on a background thread, ``depth`` items ahead of the consumer.
+    """Iterates ``produce(stop)`` on a background thread, ``depth`` items ahead of the consumer.
 
     Args:
-        produce: Zero-argument callable returning the iterator to run on the thread. It must
-            not hold a reference to whatever owns this prefetcher, so that owner can be
+        produce: Called on the thread with the stop ``Event`` (set by :meth:`close`; check it
+            between expensive steps), returns the iterator to run. It must not hold a
+            reference to whatever owns this prefetcher, so that owner can be
             garbage-collected (and close us) while the thread runs.
         depth: Maximum number of items waiting in the queue.
         poll: Seconds between checks of the stop flag while blocked.
@@ -45,7 +46,7 @@ class Prefetcher(Generic[T]):
 
     def __init__(
         self,
-        produce: Callable[[], Iterator[T]],
+        produce: Callable[[threading.Event], Iterator[T]],
         *,
         depth: int,
         poll: float = 0.05,
@@ -78,7 +79,7 @@ class Prefetcher(Generic[T]):
     def _run(self) -> None:
         iterator = None
         try:
-            iterator = self._produce()
+            iterator = self._produce(self._stop)
             for item in iterator:
                 if not self._put(item):
                     return

@@ -13,7 +13,7 @@ from slafload.prefetcher import Prefetcher
 def test_the_producer_blocks_on_a_full_queue_and_nothing_is_dropped():
     produced = []
 
-    def produce():
+    def produce(stop):
         for i in range(50):
             produced.append(i)
             yield i
@@ -29,7 +29,7 @@ def test_an_exception_keeps_its_type_message_and_arrives_promptly():
     class Custom(Exception):
         pass
 
-    def produce():
+    def produce(stop):
         yield 1
         raise Custom("stage 3 failed: bad chunk 7")
 
@@ -45,7 +45,7 @@ def test_an_exception_keeps_its_type_message_and_arrives_promptly():
 
 
 def test_close_stops_a_blocked_producer_and_joins_its_thread():
-    def produce():
+    def produce(stop):
         i = 0
         while True:
             yield i
@@ -65,7 +65,7 @@ def test_close_stops_a_blocked_producer_and_joins_its_thread():
 def test_the_generator_is_closed_when_stopped():
     cleaned = threading.Event()
 
-    def produce():
+    def produce(stop):
         try:
             while True:
                 yield 0
@@ -79,10 +79,27 @@ def test_the_generator_is_closed_when_stopped():
 
 
 def test_end_of_data_is_an_explicit_sentinel_not_a_timeout():
-    def produce():
+    def produce(stop):
         time.sleep(0.3)  # much longer than the poll interval
         yield "late"
 
     pf = Prefetcher(produce, depth=1, poll=0.01)
     assert list(pf) == ["late"]
     pf.close()
+
+
+def test_the_producer_sees_the_stop_request_between_its_own_steps():
+    steps = []
+
+    def produce(stop):
+        for i in range(1000):
+            time.sleep(0.01)  # an expensive stage that checks the flag when it finishes
+            steps.append(i)
+            if stop.is_set():
+                return
+            yield i
+
+    pf = Prefetcher(produce, depth=1000)
+    next(pf)
+    pf.close()
+    assert not pf.alive and len(steps) < 1000
