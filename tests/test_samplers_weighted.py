@@ -111,3 +111,9 @@ def test_invalid_weights_are_rejected(weights, match):
         Weighted(weights)
     with pytest.raises(ValueError, match="one weight per cell"):
         Weighted(np.ones(4)).plan(5, seed=0, epoch=0)
+
+
+def test_the_repr_recorded_in_checkpoints_tells_different_weights_apart():
+    a, b = Weighted(np.ones(6)), Weighted(np.r_[np.ones(5), 2.0])
+    assert repr(a) == repr(Weighted(np.ones(6))) and repr(a) != repr(b)
+    assert repr(ClassBalanced(np.array([0, 1, 1]))) != repr(ClassBalanced(np.array([1, 0, 0])))

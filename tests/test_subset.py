@@ -46,6 +46,7 @@ def test_position_ranges_split_at_gaps_and_keep_the_inner_order():
 def test_a_contiguous_subset_is_stored_as_one_run():
     subset = Subset(Streaming(), np.arange(10**6, 3 * 10**6))
     assert "in 1 runs" in repr(subset) and subset.n_cells == 2 * 10**6
+    assert repr(Subset(Streaming(), [1, 2, 5])) != repr(Subset(Streaming(), [1, 2, 6]))
 
 
 def test_subset_ids_are_validated():

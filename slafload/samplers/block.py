@@ -10,6 +10,7 @@ Small blocks and a large fetch factor give minibatches close to uniform random s
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +48,12 @@ def merge_ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
     first = np.flatnonzero(new_run)
     last = np.append(first[1:], len(starts)) - 1
     return np.stack([starts[first], stops[last]], axis=1).astype(np.int64)
+
+
+def array_digest(values: np.ndarray) -> str:
+    """A short content hash, so ``repr`` (recorded in checkpoints) tells arrays apart."""
+    values = np.ascontiguousarray(values)
+    return f"{len(values)}x{values.dtype}:{hashlib.blake2b(values.data, digest_size=6).hexdigest()}"
 
 
 def check_positive(name: str, value: object) -> None:

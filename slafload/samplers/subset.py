@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from slafload.samplers.base import Fetch, Plan, Sampler
-from slafload.samplers.block import expand_ranges
+from slafload.samplers.block import array_digest, expand_ranges
 
 if TYPE_CHECKING:
     import polars as pl
@@ -68,7 +68,11 @@ class Subset:
         )
 
     def __repr__(self) -> str:
-        return f"Subset({self.sampler!r}, {self.n_cells} cells in {len(self._run_cell)} runs)"
+        runs = array_digest(np.concatenate([self._run_cell, self._run_pos]))
+        return (
+            f"Subset({self.sampler!r}, {self.n_cells} cells in {len(self._run_cell)} runs, "
+            f"digest={runs.split(':')[1]})"
+        )
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
         if len(self._run_cell) and self._run_cell[-1] + np.diff(self._run_pos)[-1] > n_cells:

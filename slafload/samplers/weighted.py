@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from slafload.samplers.base import Fetch, Plan, derive_seed
-from slafload.samplers.block import check_positive, merge_ranges
+from slafload.samplers.block import array_digest, check_positive, merge_ranges
 
 if TYPE_CHECKING:
     from slafload.dataset import SlafDataset
@@ -78,6 +78,7 @@ class Weighted:
     """
 
     weights: np.ndarray = field(repr=False)
+    digest: str = field(init=False, repr=True, compare=False)
     replacement: bool = True
     n_draws: int | None = None
     block_size: int = 1
@@ -92,6 +93,7 @@ class Weighted:
                 "with a positive sum"
             )
         object.__setattr__(self, "weights", w)
+        object.__setattr__(self, "digest", array_digest(w))
         for name in ("block_size", "fetch_factor", "batch_size"):
             check_positive(name, getattr(self, name))
         if self.n_draws is not None:
@@ -161,6 +163,7 @@ class ClassBalanced:
     """
 
     labels: np.ndarray = field(repr=False)
+    digest: str = field(init=False, repr=True, compare=False)
     replacement: bool = True
     n_draws: int | None = None
     block_size: int = 1
@@ -182,6 +185,7 @@ class ClassBalanced:
             batch_size=self.batch_size,
         )
         object.__setattr__(self, "_weighted", weighted)
+        object.__setattr__(self, "digest", array_digest(labels))
 
     @classmethod
     def from_obs(cls, dataset: SlafDataset, column: str, **options: Any) -> ClassBalanced:
