@@ -5,10 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import random_counts, write_dense
+from conftest import csr_from_dense, random_counts, write_dense
 
 from slafload import Loader, open_dataset
 from slafload.normalize import GeneMedians, MedianNormalize, MediansError, gene_medians
+from slafload.vocab import Vocabulary
+from slafload.writer import write_slaf
+
+
+def write_named(path, dense, names):
+    var = {"gene_id": pa.array(names)}
+    return write_slaf(path, [csr_from_dense(dense)], n_genes=dense.shape[1], var=var)
 
 
 def nonzero_medians(dense: np.ndarray) -> np.ndarray:
@@ -108,3 +115,20 @@ def _chunk_of(ds):
 
     fetch = Fetch(0, np.array([[0, ds.n_cells]]), None)
     return assemble(fetch, Reader(ds).read(fetch), ds.cell_start)
+
+
+def test_normalising_then_remapping_gives_the_same_tokens_for_both_gene_orders(tmp_path, counts):
+    names = [f"G{g}" for g in range(25)]
+    perm = np.random.default_rng(5).permutation(25)
+    a = open_dataset(write_named(tmp_path / "a.slaf", counts, names))
+    b = open_dataset(write_named(tmp_path / "b.slaf", counts[:, perm], [names[p] for p in perm]))
+    vocab = Vocabulary.from_dataset(a)
+    medians_a = gene_medians(a)
+    tokens = []
+    for ds, medians in ((a, medians_a), (b, medians_a.aligned_to(b))):
+        transforms = [MedianNormalize(medians), vocab.remap(ds)]
+        with Loader(ds, batch_size=90, max_genes=10, shuffle=False, transforms=transforms) as ld:
+            tokens.append(next(iter(ld))["input_ids"].numpy())
+    want = np.stack([normalized_reference(row, nonzero_medians(counts), 10) for row in counts])
+    np.testing.assert_array_equal(tokens[0], want)
+    np.testing.assert_array_equal(tokens[1], want)
