@@ -212,13 +212,44 @@ def _open(item: Any, i: int, *, layer: str | None, raw: bool) -> _Source:
             what = f"no layer {layer!r} (layers: {found})" if layer is not None else f"no {key}"
             raise ValueError(f"{str(path)!r} has {what}; choose another matrix")
         element = handle[key]
-        matrix = anndata.io.sparse_dataset(element) if isinstance(element, h5py.Group) else element
+        if not isinstance(element, h5py.Group):
+            matrix = element  # dense: h5py reads row slices directly
+        elif element.attrs.get("encoding-type") == "csr_matrix":
+            matrix = _BackedCsr(element)
+        else:
+            matrix = anndata.io.sparse_dataset(element)
         obs = anndata.io.read_elem(handle["obs"])
         var = anndata.io.read_elem(handle["raw/var" if raw else "var"])
     except BaseException:
         handle.close()
         raise
     return _checked(_Source(path.name.removesuffix(".h5ad"), matrix, obs, var, handle))
+
+
+class _BackedCsr:
+    """Row slices of an on-disk CSR matrix, read straight from its three HDF5 arrays.
+
+    anndata's ``sparse_dataset`` costs about 1.8 ms per slice, three h5py reads about 0.1 ms;
+    the pre-shuffle reads one slice per small block, so this is what makes it affordable.
+    """
+
+    format = "csr"
+
+    def __init__(self, group: Any):
+        self.group = group
+        self.shape = tuple(int(n) for n in group.attrs["shape"])
+        self._data, self._indices, self._indptr = group["data"], group["indices"], group["indptr"]
+        self.dtype = self._data.dtype
+
+    def __getitem__(self, rows: slice) -> Any:
+        import scipy.sparse as sp
+
+        ptr = self._indptr[rows.start : rows.stop + 1].astype(np.int64)
+        lo, hi = int(ptr[0]), int(ptr[-1])
+        return sp.csr_matrix(
+            (self._data[lo:hi], self._indices[lo:hi], ptr - lo),
+            shape=(len(ptr) - 1, self.shape[1]),
+        )
 
 
 def _from_anndata(adata: Any, name: str, *, layer: str | None, raw: bool) -> _Source:
@@ -354,7 +385,17 @@ def _blocks(
 def _csr_block(parts: list[Any]) -> CsrBlock:
     import scipy.sparse as sp
 
-    m = parts[0] if len(parts) == 1 else sp.vstack(parts, format="csr")
+    if len(parts) == 1:
+        m = parts[0]
+    else:  # plain concatenation: half the cost of sp.vstack for many 1-cell parts
+        counts = np.concatenate([np.diff(p.indptr) for p in parts])
+        indptr = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        m = sp.csr_matrix(
+            (np.concatenate([p.data for p in parts]), np.concatenate([p.indices for p in parts]),
+             indptr),
+            shape=(len(counts), parts[0].shape[1]),
+        )  # fmt: skip
     m.sum_duplicates()  # sorts genes within each cell and merges repeated entries
     m.eliminate_zeros()
     return CsrBlock(m.indptr.astype(np.int64), m.indices, m.data)

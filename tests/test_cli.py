@@ -127,3 +127,11 @@ def test_the_installed_console_script_runs_info(tmp_path):
     run = subprocess.run([script, "info", str(path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert "cells      10" in run.stdout
+
+
+def test_bench_hands_its_arguments_to_the_benchmark(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert "--cells" in out and "--no-peers" in out
