@@ -35,6 +35,14 @@ class InconsistentDataError(DatasetError):
     """The tables disagree with each other (ordering, offsets, counts, value ranges)."""
 
 
+class VocabularyError(SlafloadError, ValueError):
+    """A vocabulary file is malformed, or a dataset's genes do not fit a vocabulary."""
+
+
+class MediansError(SlafloadError, ValueError):
+    """A medians file is malformed, or medians do not fit the dataset they are used with."""
+
+
 class LoaderError(SlafloadError, RuntimeError):
     """Streaming failed in a way that is not a property of the dataset itself."""
 

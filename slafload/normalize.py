@@ -35,16 +35,12 @@ import numpy as np
 
 from slafload.chunk import Chunk
 from slafload.dataset import SlafDataset
-from slafload.errors import SlafloadError
+from slafload.errors import MediansError
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "slafload.gene_medians"
 DEFAULT_MAX_VALUES = 1 << 23  # values held at once: ~8.4M, ~500 MB peak (~60 B per value)
-
-
-class MediansError(SlafloadError, ValueError):
-    """A medians file is malformed, or medians do not fit the dataset they are used with."""
 
 
 @dataclass(frozen=True, eq=False)

@@ -43,7 +43,7 @@ import numpy as np
 
 from slafload.chunk import Chunk
 from slafload.dataset import SlafDataset
-from slafload.errors import SchemaError, SlafloadError
+from slafload.errors import SchemaError, VocabularyError
 from slafload.tokenizers import CLS, GENE_OFFSET, MASK, PAD, SEP
 
 logger = logging.getLogger(__name__)
@@ -52,10 +52,6 @@ FORMAT = "slafload.vocabulary"
 FORMAT_VERSION = 1
 UNKNOWN_RULES = ("drop", "unk", "error")
 _TSV_HEADER = "token_id\tgene"
-
-
-class VocabularyError(SlafloadError, ValueError):
-    """A vocabulary file is malformed, or a dataset's genes do not fit a vocabulary."""
 
 
 @dataclass(frozen=True, eq=False)
