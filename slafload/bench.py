@@ -203,8 +203,8 @@ def ensure_atlas(args) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--cells", type=int, default=50_000)
     p.add_argument("--genes", type=int, default=20_000)
     p.add_argument("--nnz", type=int, default=800, help="mean non-zeros per cell")

@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list[:1] == ["bench"]:  # bench owns its arguments
         from slafload import bench
 
-        bench.main(args_list[1:])
+        bench.main(args_list[1:], prog="slafload bench")
         return 0
     args = _parser().parse_args(args_list)
     logging.basicConfig(

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from slafload.synthetic import _progress_bar
+from slafload.progress import progress_bar
 from slafload.writer import CsrBlock, write_slaf
 
 __all__ = ["convert"]
@@ -154,9 +154,7 @@ def _convert(
     matrix = "X" if layer is None and not raw else ("raw/X" if raw else f"layers/{layer}")
     logger.info("converting %d input(s), %s, %d cells x %d genes, values %s -> %s",
                 len(sources), matrix, obs.num_rows, n_genes, value_type, output)  # fmt: skip
-    bar = _progress_bar(progress, obs.num_rows)  # the synthetic atlas's bar, renamed
-    if bar is not None:
-        bar.set_description("convert")
+    bar = progress_bar(progress, obs.num_rows, "convert")
     try:
         return write_slaf(
             output,

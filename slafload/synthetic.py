@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
+from slafload.progress import progress_bar
 from slafload.writer import CsrBlock, write_slaf
 
 __all__ = ["write_atlas"]
@@ -140,7 +141,7 @@ def _write(path: pathlib.Path, spec: _Spec, progress: bool) -> None:
     cdfs = np.cumsum(probs, axis=1)
     cdfs /= cdfs[:, -1:]
     plate_names = np.array([f"plate_{p:02d}" for p in range(n_plates)])
-    bar = _progress_bar(progress, n_cells)
+    bar = progress_bar(progress, n_cells, "synthetic atlas")
     try:
         write_slaf(
             path,
@@ -280,14 +281,3 @@ def _expression_block(
             "total_counts": totals if value_dtype == "float32" else totals.astype(np.int64),
         },
     )
-
-
-def _progress_bar(progress: bool, total: int) -> object | None:
-    if not progress:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        logger.warning("progress=True but tqdm is not installed; writing without a progress bar")
-        return None
-    return tqdm(total=total, unit="cell", desc="synthetic atlas")
