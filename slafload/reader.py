@@ -5,10 +5,12 @@ contiguous row range of ``expression.lance``, so no filter is evaluated. How the
 read depends on their shape (numbers from ``benchmarks/read_paths.py`` and docs/sampling.md):
 
 - one range (streaming, chunk shuffle): one Lance scan with ``offset``/``limit``;
-- many ranges (block sampling): ranges whose gaps are short are coalesced into spans (scanning a
-  gap row costs ~5 ns, a separate range request ~0.2 ms); spans of a few hundred rows or more
-  are read with one ``take_scan`` call (one request, Lance parallelises it) and the wanted rows
-  cut out with Arrow ``take``; tiny spans (single cells) with one ``take`` of their row ids.
+- many ranges (block sampling): ranges whose gaps are short are coalesced into spans (scanning
+  a gap row costs ~5-8 ns, a separate range request ~0.2-0.5 ms), unless the spans would hold
+  more than 32 times the wanted rows (sparse single cells are cheaper by row id); spans of 64Ki
+  rows or more are scanned, runs of shorter spans are read with one ``take_scan`` call (one
+  request, Lance parallelises it) and the wanted rows cut out with Arrow ``take``, or, when
+  they are tiny (single cells), with one ``take`` of their row ids.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ logger = logging.getLogger(__name__)
 
 COLUMNS = ["cell_integer_id", "gene_integer_id", "value"]
 MAX_GAP_ROWS = 32_768  # gaps up to this many rows are scanned through rather than skipped
+MAX_READ_AMPLIFICATION = 32  # ...unless that reads more than this many times the wanted rows
 TAKE_BELOW_ROWS = 512  # spans shorter than this on average are read by row id
-SCAN_FROM_ROWS = 1 << 18  # spans this long are scanned (take_scan is slower per row)
+SCAN_FROM_ROWS = 1 << 16  # spans this long are scanned (take_scan is slower per row)
 _TAKE_SCAN_READAHEAD = 16
 
 
@@ -85,9 +88,10 @@ class Reader:
         yield from scanner.to_batches()
 
     def _read_many(self, rows: np.ndarray) -> Iterator[pa.RecordBatch]:
-        span_of = coalesce(rows, MAX_GAP_ROWS)
-        first = np.flatnonzero(np.diff(span_of, prepend=-1))
-        last = np.append(first[1:], len(rows)) - 1
+        first, last = _span_ends(coalesce(rows, MAX_GAP_ROWS))
+        wanted = int((rows[:, 1] - rows[:, 0]).sum())
+        if int((rows[last, 1] - rows[first, 0]).sum()) > MAX_READ_AMPLIFICATION * wanted:
+            first, last = _span_ends(np.arange(len(rows)))  # sparse: skip the gaps instead
         spans = np.stack([rows[first, 0], rows[last, 1]], axis=1)
         long = spans[:, 1] - spans[:, 0] >= SCAN_FROM_ROWS
         # Runs of spans of one kind, in read order: long spans scan, runs of short ones batch.
@@ -138,6 +142,12 @@ def coalesce(ranges: np.ndarray, max_gap: int) -> np.ndarray:
     """Span number of each range: consecutive ranges whose gap is in ``[0, max_gap]`` share one."""
     gap = ranges[1:, 0] - ranges[:-1, 1]
     return np.concatenate([[0], np.cumsum((gap < 0) | (gap > max_gap))])
+
+
+def _span_ends(span_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First and last range index of each span, from the span number of each range."""
+    first = np.flatnonzero(np.diff(span_of, prepend=-1))
+    return first, np.append(first[1:], len(span_of)) - 1
 
 
 def _describe(rows: np.ndarray) -> str:
