@@ -6,7 +6,7 @@ The package reads like the pipeline, one module per stage::
 """
 
 from slafload import diversity, samplers, synthetic
-from slafload.config import LoaderConfig
+from slafload.config import LoaderConfig, RetryPolicy
 from slafload.convert import convert
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.errors import (
@@ -15,16 +15,31 @@ from slafload.errors import (
     DatasetNotFoundError,
     InconsistentDataError,
     LoaderError,
+    MediansError,
     MissingTableError,
     ReadError,
     SchemaError,
     SlafloadError,
     StateError,
+    VocabularyError,
 )
-from slafload.loader import Loader
 from slafload.tokenizers import Geneformer, Raw, ScGPT, Tokenizer, available_tokenizers
 
 __version__ = "0.1.0"
+
+# torch takes seconds to import; only the loader needs it, so `slafload --help`, conversion and
+# dataset inspection do not pay for it.
+_LAZY = {"Loader": "slafload.loader", "SlafIterableDataset": "slafload.torch_data"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'slafload' has no attribute {name!r}")
 
 __all__ = [
     "ConfigError",
@@ -35,15 +50,19 @@ __all__ = [
     "Loader",
     "LoaderConfig",
     "LoaderError",
+    "MediansError",
     "MissingTableError",
     "Raw",
     "ReadError",
+    "RetryPolicy",
     "ScGPT",
     "SchemaError",
     "SlafDataset",
+    "SlafIterableDataset",
     "SlafloadError",
     "StateError",
     "Tokenizer",
+    "VocabularyError",
     "__version__",
     "available_tokenizers",
     "convert",
