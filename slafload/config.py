@@ -91,7 +91,7 @@ class LoaderConfig:
     n_epochs: int | None = 1
     shuffle: bool = True
     drop_last: bool = False
-    chunk_cells: int = 8192
+    chunk_cells: int = 2048
     queue_depth: int = 64
     read_batch_rows: int = 1 << 20
     retry: RetryPolicy = field(default_factory=RetryPolicy)

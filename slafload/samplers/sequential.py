@@ -54,7 +54,7 @@ class Streaming:
     The fastest plan and the one to use for inference or evaluation.
     """
 
-    chunk_cells: int = 8192
+    chunk_cells: int = 2048
 
     def __post_init__(self) -> None:
         _check_chunk_cells(self.chunk_cells)
@@ -74,7 +74,7 @@ class ChunkShuffle:
     a minibatch sees one plate. Use a block sampler when that matters.
     """
 
-    chunk_cells: int = 8192
+    chunk_cells: int = 2048
 
     def __post_init__(self) -> None:
         _check_chunk_cells(self.chunk_cells)
