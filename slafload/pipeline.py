@@ -21,11 +21,11 @@ from slafload.batcher import Batcher
 from slafload.chunk import Chunk, assemble, shuffle
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
-from slafload.rank import rank
+from slafload.rank import PendingRank, start_rank
 from slafload.reader import Reader
 from slafload.retry import RetryingReader
 from slafload.samplers import Sampler
-from slafload.shard import RankStream, Segment, rank_stream
+from slafload.shard import Part, RankStream, Segment, rank_stream
 from slafload.tokenizers import Tokenizer
 
 Batch = dict[str, torch.Tensor]
@@ -132,35 +132,62 @@ class Pipeline:
         )
         batcher = Batcher(cfg.batch_size, drop_last=cfg.drop_last)
         done = skip
-        for part in self.stream(epoch, history).parts(skip, worker, n_workers):
-            fetch = part.fetch
-            chunk = assemble(
-                fetch,
-                reader.read(fetch),
-                self.dataset.cell_start,
-                uri=self.dataset.uri,
-                n_genes=self.dataset.n_genes,
-            )
-            if stopped():
-                return
-            chunk = shuffle(chunk, fetch.shuffle_seed)
-            for transform in self.transforms:
-                chunk = transform(chunk)
-            ranked = rank(chunk)
-            if stopped():
-                return
-            arrays = dict(self.tokenizer(ranked))
-            arrays["cell_integer_id"] = ranked.output_cell_ids
-            for name, codes in (self.obs or {}).items():
-                arrays[name] = codes[ranked.output_cell_ids]
-            if part.skip or part.keep < fetch.n_cells:
-                arrays = {k: v[part.skip : part.keep] for k, v in arrays.items()}
-            for batch in batcher.add(arrays):
+
+        def deliver(batches: Iterator[dict[str, np.ndarray]]) -> Iterator[Delivery]:
+            nonlocal done
+            for batch in batches:
                 done += len(batch["cell_integer_id"])
                 yield Delivery(self.to_torch(batch), Position(epoch, done, history))
-        for batch in batcher.finish():
-            done += len(batch["cell_integer_id"])
-            yield Delivery(self.to_torch(batch), Position(epoch, done, history))
+
+        # One chunk of lookahead: Polars ranks chunk i+1 on its own threads while this thread
+        # tokenizes chunk i with numpy, so both cores work.
+        pending: tuple[Part, PendingRank] | None = None
+        try:
+            for part in self.stream(epoch, history).parts(skip, worker, n_workers):
+                fetch = part.fetch
+                try:
+                    chunk = assemble(
+                        fetch,
+                        reader.read(fetch),
+                        self.dataset.cell_start,
+                        uri=self.dataset.uri,
+                        n_genes=self.dataset.n_genes,
+                    )
+                except Exception:
+                    if pending is not None:  # hand over what was read before failing
+                        last, pending = pending, None
+                        yield from deliver(batcher.add(self.tokenize(*last)))
+                    raise
+                if stopped():
+                    return
+                chunk = shuffle(chunk, fetch.shuffle_seed)
+                for transform in self.transforms:
+                    chunk = transform(chunk)
+                ranking = (part, start_rank(chunk))
+                if pending is not None:
+                    previous, pending = pending, ranking
+                    yield from deliver(batcher.add(self.tokenize(*previous)))
+                    if stopped():
+                        return
+                pending = ranking
+            if pending is not None:
+                last, pending = pending, None
+                yield from deliver(batcher.add(self.tokenize(*last)))
+            yield from deliver(batcher.finish())
+        finally:
+            if pending is not None:  # stopped, failed or closed with a ranking in flight
+                pending[1].discard()
+
+    def tokenize(self, part: Part, ranking: PendingRank) -> dict[str, np.ndarray]:
+        """The token arrays of a ranked part, cut to the rows it delivers."""
+        ranked = ranking.result()
+        arrays = dict(self.tokenizer(ranked))
+        arrays["cell_integer_id"] = ranked.output_cell_ids
+        for name, codes in (self.obs or {}).items():
+            arrays[name] = codes[ranked.output_cell_ids]
+        if part.skip or part.keep < part.fetch.n_cells:
+            arrays = {k: v[part.skip : part.keep] for k, v in arrays.items()}
+        return arrays
 
     def to_torch(self, arrays: Mapping[str, np.ndarray]) -> Batch:
         batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}

@@ -14,6 +14,7 @@ from functools import cached_property
 
 import numpy as np
 import polars as pl
+from polars.lazyframe.in_process import InProcessQuery
 
 from slafload.chunk import Chunk
 
@@ -74,21 +75,63 @@ class RankedChunk(Chunk):
 
 def rank(chunk: Chunk) -> RankedChunk:
     """Rank the genes of every cell of ``chunk`` (value descending, gene id ascending)."""
+    return start_rank(chunk).result()
+
+
+class PendingRank:
+    """A ranking running on Polars' own thread pool; :meth:`result` waits for it.
+
+    Lets the single producer thread tokenize one chunk while Polars ranks the next, so
+    numpy (one core) and Polars (Rust threads, no GIL) work at the same time.
+    """
+
+    def __init__(
+        self,
+        chunk: Chunk,
+        indptr: np.ndarray,
+        genes: np.ndarray,
+        values: np.ndarray,
+        query: InProcessQuery | None,
+    ):
+        self._chunk, self._indptr, self._query = chunk, indptr, query
+        self._genes, self._values = genes, values
+
+    def discard(self) -> None:
+        """Wait for the query and drop it: Polars must never be left sending to nobody."""
+        if self._query is not None:
+            self._query.fetch_blocking()
+            self._query = None
+
+    def result(self) -> RankedChunk:
+        genes, values = self._genes, self._values
+        if self._query is not None:
+            ranked, self._query = self._query.fetch_blocking(), None
+            genes = ranked.get_column("gene").to_numpy()
+            values = ranked.get_column("value").to_numpy()
+        c = self._chunk
+        return RankedChunk(c.fetch_index, c.cell_ids, self._indptr, genes, values, c.order)
+
+
+def start_rank(chunk: Chunk) -> PendingRank:
+    """Start ranking ``chunk`` in the background (see :class:`PendingRank`)."""
     genes, values, indptr = chunk.genes, chunk.values, chunk.indptr
     expressed = values > 0
     if not expressed.all():
         genes, values = genes[expressed], values[expressed]
         kept = np.concatenate([[0], np.cumsum(expressed, dtype=np.int64)])
         indptr = kept[indptr]
-    if len(genes):
-        cell = np.repeat(np.arange(chunk.n_cells, dtype=np.int32), np.diff(indptr))
-        # Rows are gene-ascending within a cell, so a stable sort by value descending breaks
-        # ties by gene id ascending.
-        frame = pl.DataFrame({"cell": cell, "gene": genes, "value": values})
-        ranked = frame.with_columns(pl.col("cell").set_sorted()).select(
+    if not len(genes):
+        return PendingRank(chunk, indptr, genes, values, None)
+    cell = np.repeat(np.arange(chunk.n_cells, dtype=np.int32), np.diff(indptr))
+    # Rows are gene-ascending within a cell, so a stable sort by value descending breaks ties
+    # by gene id ascending.
+    query = (
+        pl.LazyFrame({"cell": cell, "gene": genes, "value": values})
+        .with_columns(pl.col("cell").set_sorted())
+        .select(
             pl.col("gene").sort_by("value", descending=True, maintain_order=True).over("cell"),
             pl.col("value").sort(descending=True).over("cell"),
         )
-        genes = ranked.get_column("gene").to_numpy()
-        values = ranked.get_column("value").to_numpy()
-    return RankedChunk(chunk.fetch_index, chunk.cell_ids, indptr, genes, values, chunk.order)
+        .collect(background=True)
+    )
+    return PendingRank(chunk, indptr, genes, values, query)
