@@ -1,8 +1,9 @@
 """Stage 5: rank each cell's genes by expression with a Polars window function.
 
 Within every cell the expressed genes (value > 0) are ordered by value, highest first, ties
-broken by gene id ascending. The whole chunk is ranked in one Polars expression
-(``sort_by(...).over(cell)``) running in Rust with the GIL released; nothing loops per cell.
+broken by gene id ascending. The whole chunk is ranked in one Polars window
+expression (``struct(gene, value).sort_by(value).over(cell)``) running in Rust with the GIL
+released; nothing loops per cell.
 The result keeps the chunk's CSR layout, so a cell's ranked genes are contiguous and the
 ``j``-th of them has rank ``j``.
 """
@@ -125,13 +126,18 @@ def start_rank(chunk: Chunk) -> PendingRank:
     cell = np.repeat(np.arange(chunk.n_cells, dtype=np.int32), np.diff(indptr))
     # Rows are gene-ascending within a cell, so a stable sort by value descending breaks ties
     # by gene id ascending.
+    # `cell` is sorted, so "explode" emits the groups in storage order without scattering
+    # results back to row positions; sorting (gene, value) as one struct sorts once.
     query = (
         pl.LazyFrame({"cell": cell, "gene": genes, "value": values})
         .with_columns(pl.col("cell").set_sorted())
         .select(
-            pl.col("gene").sort_by("value", descending=True, maintain_order=True).over("cell"),
-            pl.col("value").sort(descending=True).over("cell"),
+            pl.struct("gene", "value")
+            .sort_by("value", descending=True, maintain_order=True)
+            .over("cell", mapping_strategy="explode")
+            .alias("ranked")
         )
+        .unnest("ranked")
         .collect(background=True)
     )
     return PendingRank(chunk, indptr, genes, values, query)
