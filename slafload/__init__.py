@@ -41,6 +41,7 @@ def __getattr__(name: str) -> object:
         return value
     raise AttributeError(f"module 'slafload' has no attribute {name!r}")
 
+
 __all__ = [
     "ConfigError",
     "DatasetError",
