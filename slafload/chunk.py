@@ -9,13 +9,14 @@ rows are checked against the cell ranges they were read for: data that contradic
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from slafload.errors import InconsistentDataError
+from slafload.ranges import expand
 from slafload.samplers import Fetch
 
 
@@ -120,6 +121,26 @@ def shuffle(chunk: Chunk, seed: int | None) -> Chunk:
     if seed is None:
         return chunk
     return dataclasses.replace(chunk, order=shuffle_order(chunk.n_cells, seed))
+
+
+def split(chunk: Chunk, start: int, stop: int, size: int) -> Iterator[Chunk]:
+    """Output rows ``[start, stop)`` of ``chunk`` as pieces of at most ``size`` cells.
+
+    Each piece holds its cells in output order (its own ``order`` is the identity), so the
+    concatenated outputs of the pieces equal rows ``[start, stop)`` of the whole chunk.
+    """
+    if start == 0 and stop >= chunk.n_cells and chunk.n_cells <= size:
+        yield chunk
+        return
+    lengths = chunk.lengths
+    for first in range(start, stop, size):
+        cells = chunk.order[first : min(first + size, stop)]
+        counts = lengths[cells]
+        indptr = np.zeros(len(cells) + 1, dtype=np.int64)
+        np.cumsum(counts, out=indptr[1:])
+        rows = expand(chunk.indptr[cells], counts)
+        yield Chunk(chunk.fetch_index, chunk.cell_ids[cells], indptr, chunk.genes[rows],
+                    chunk.values[rows], np.arange(len(cells), dtype=np.int64))  # fmt: skip
 
 
 def _column(table: pa.Table, name: str) -> np.ndarray:

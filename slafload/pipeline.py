@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from slafload.batcher import Batcher
-from slafload.chunk import Chunk, assemble, shuffle
+from slafload.chunk import Chunk, assemble, shuffle, split
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
 from slafload.rank import PendingRank, start_rank
@@ -141,52 +141,65 @@ class Pipeline:
 
         # One chunk of lookahead: Polars ranks chunk i+1 on its own threads while this thread
         # tokenizes chunk i with numpy, so both cores work.
-        pending: tuple[Part, PendingRank] | None = None
+        pending: PendingRank | None = None
+        pieces = self.pieces(self.stream(epoch, history).parts(skip, worker, n_workers), reader)
         try:
-            for part in self.stream(epoch, history).parts(skip, worker, n_workers):
-                fetch = part.fetch
+            while True:
                 try:
-                    chunk = assemble(
-                        fetch,
-                        reader.read(fetch),
-                        self.dataset.cell_start,
-                        uri=self.dataset.uri,
-                        n_genes=self.dataset.n_genes,
-                    )
+                    piece = next(pieces, None)
                 except Exception:
                     if pending is not None:  # hand over what was read before failing
                         last, pending = pending, None
-                        yield from deliver(batcher.add(self.tokenize(*last)))
+                        yield from deliver(batcher.add(self.tokenize(last)))
                     raise
-                if stopped():
-                    return
-                chunk = shuffle(chunk, fetch.shuffle_seed)
-                for transform in self.transforms:
-                    chunk = transform(chunk)
-                ranking = (part, start_rank(chunk))
+                if piece is None or stopped():
+                    break
+                ranking = start_rank(piece)
                 if pending is not None:
                     previous, pending = pending, ranking
-                    yield from deliver(batcher.add(self.tokenize(*previous)))
+                    yield from deliver(batcher.add(self.tokenize(previous)))
                     if stopped():
                         return
                 pending = ranking
+            if stopped():
+                return
             if pending is not None:
                 last, pending = pending, None
-                yield from deliver(batcher.add(self.tokenize(*last)))
+                yield from deliver(batcher.add(self.tokenize(last)))
             yield from deliver(batcher.finish())
         finally:
+            pieces.close()
             if pending is not None:  # stopped, failed or closed with a ranking in flight
-                pending[1].discard()
+                pending.discard()
 
-    def tokenize(self, part: Part, ranking: PendingRank) -> dict[str, np.ndarray]:
-        """The token arrays of a ranked part, cut to the rows it delivers."""
+    def pieces(self, parts: Iterator[Part], reader: RetryingReader) -> Iterator[Chunk]:
+        """Read, check and shuffle each part's fetch; cut it into compute pieces in order.
+
+        A fetch is the unit of I/O and of shuffling; a piece (at most ``chunk_cells`` cells,
+        already in output order) is the unit of ranking and tokenizing, which keeps the token
+        arrays small however large a sampler's fetches are.
+        """
+        for part in parts:
+            fetch = part.fetch
+            chunk = assemble(
+                fetch,
+                reader.read(fetch),
+                self.dataset.cell_start,
+                uri=self.dataset.uri,
+                n_genes=self.dataset.n_genes,
+            )
+            chunk = shuffle(chunk, fetch.shuffle_seed)
+            for transform in self.transforms:
+                chunk = transform(chunk)
+            yield from split(chunk, part.skip, part.keep, self.config.chunk_cells)
+
+    def tokenize(self, ranking: PendingRank) -> dict[str, np.ndarray]:
+        """The token arrays of a ranked piece, plus cell ids and requested obs codes."""
         ranked = ranking.result()
         arrays = dict(self.tokenizer(ranked))
         arrays["cell_integer_id"] = ranked.output_cell_ids
         for name, codes in (self.obs or {}).items():
             arrays[name] = codes[ranked.output_cell_ids]
-        if part.skip or part.keep < part.fetch.n_cells:
-            arrays = {k: v[part.skip : part.keep] for k, v in arrays.items()}
         return arrays
 
     def to_torch(self, arrays: Mapping[str, np.ndarray]) -> Batch:

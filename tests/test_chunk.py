@@ -86,3 +86,21 @@ def test_rows_contradicting_the_layout_fail_loudly(tmp_path, mutate, message):
     fetch = Fetch(0, np.array([[0, 30]]))
     with pytest.raises(InconsistentDataError, match=message):
         assemble(fetch, Reader(ds).read(fetch), ds.cell_start)
+
+
+@pytest.mark.parametrize(("start", "stop", "size"), [(0, 60, 100), (0, 60, 7), (5, 43, 8)])
+def test_split_cuts_a_shuffled_chunk_into_ordered_pieces(tmp_path, start, stop, size):
+    from slafload.chunk import split
+
+    dense = random_counts(60, 9, seed=4, empty_every=6)
+    ds = open_dataset(write_dense(tmp_path / "s.slaf", dense))
+    fetch = Fetch(0, np.array([[0, 60]]))
+    chunk = shuffle(assemble(fetch, Reader(ds).read(fetch), ds.cell_start), 3)
+    pieces = list(split(chunk, start, stop, size))
+    assert all(p.n_cells <= size for p in pieces)
+    cells = np.concatenate([p.cell_ids[p.order] for p in pieces])
+    np.testing.assert_array_equal(cells, chunk.cell_ids[chunk.order[start:stop]])
+    for piece in pieces:
+        for i, cell in enumerate(piece.cell_ids):
+            genes = piece.genes[piece.indptr[i] : piece.indptr[i + 1]]
+            np.testing.assert_array_equal(genes, np.flatnonzero(dense[cell]))
