@@ -78,8 +78,8 @@ class LoaderConfig:
         shuffle: With no explicit sampler: ``True`` uses :class:`ChunkShuffle`, ``False``
             :class:`Streaming`.
         drop_last: Drop each epoch's short last batch.
-        chunk_cells: Cells per prefetch chunk for the default samplers. Larger chunks
-            amortise per-chunk overhead; memory grows linearly.
+        chunk_cells: Cells per prefetch chunk for the default samplers, and the most cells
+            ranked and tokenized at once (larger fetches are processed in pieces this size).
         queue_depth: Batches the producer may run ahead of the consumer.
         read_batch_rows: Rows per Arrow record batch requested from Lance.
         retry: Retries of a fetch after a transient storage failure.
