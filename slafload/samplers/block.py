@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from slafload.ranges import expand
 from slafload.samplers.base import Fetch, Plan, derive_seed
 from slafload.samplers.feistel import FeistelPermutation
 
@@ -23,9 +24,7 @@ __all__ = ["BlockShuffle", "block_ranges", "expand_ranges", "merge_ranges"]
 
 def expand_ranges(ranges: np.ndarray) -> np.ndarray:
     """Every integer of ``int64[k, 2]`` half-open ranges, in range order."""
-    lengths = ranges[:, 1] - ranges[:, 0]
-    offsets = np.repeat(ranges[:, 0] - np.cumsum(lengths) + lengths, lengths)
-    return offsets + np.arange(int(lengths.sum()), dtype=np.int64)
+    return expand(ranges[:, 0], ranges[:, 1] - ranges[:, 0])
 
 
 def block_ranges(blocks: np.ndarray, block_size: int, n_cells: int) -> np.ndarray:
