@@ -98,6 +98,15 @@ class Loader:
                 f"{type(sampler).__name__}"
             )
         self.sampler = sampler
+        planned = getattr(sampler, "batch_size", None)
+        if planned is not None and planned != self.config.batch_size:
+            logger.warning(
+                "the sampler plans fetches for batch_size=%s but the loader uses "
+                "batch_size=%s; pass the same value to both so each fetch holds "
+                "fetch_factor whole minibatches",
+                planned,
+                self.config.batch_size,
+            )
         self.device = torch.device(device) if device is not None else None
         cuda = self.device is not None and self.device.type == "cuda"
         self.pin_memory = cuda if pin_memory is None else pin_memory
