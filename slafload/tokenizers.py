@@ -162,34 +162,31 @@ def quantile_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
     m = len(values)
     if m == 0:
         return np.zeros(0, dtype=np.int64)
-    # Ascending view of each cell: ascending index a of cell c is descending index n-1-a.
+    # Work on each cell's descending values d_0 >= d_1 >= ...: ascending index a is
+    # descending index n-1-a, so only the (cells x bins) edge lookups need that mapping.
     start = indptr[:-1]
-    cell = ranked.entry_cell
-    asc_to_desc = (start + indptr[1:] - 1)[cell] - np.arange(m)
-    asc = values[asc_to_desc]
-    new_run = np.ones(m, dtype=bool)
-    new_run[1:] = asc[1:] != asc[:-1]
-    new_run[start[n > 0]] = True
-    run_start = np.maximum.accumulate(np.where(new_run, np.arange(m), 0))
-
     cells = np.flatnonzero(n)
+    count, base = n[cells][:, None], start[cells][:, None]
     q = np.linspace(0.0, 1.0, n_bins - 1)
-    count = n[cells][:, None]
     virtual = (count - 1) * q[None, :]
-    prev = np.floor(virtual).astype(np.int64)
+    prev = np.minimum(np.floor(virtual).astype(np.int64), count - 1)
     nxt = np.minimum(prev + 1, count - 1)
-    prev = np.minimum(prev, count - 1)
-    base = start[cells][:, None]
-    lo, hi = asc[base + prev], asc[base + nxt]
+    lo_at = base + count - 1 - prev  # descending position of the ascending value [prev]
+    lo, hi = values[lo_at], values[base + count - 1 - nxt]
     edges = _lerp(lo, hi, virtual - np.floor(virtual))
-    # First ascending index whose value is >= the edge (edges never exceed the cell's max).
-    first = np.where(edges <= lo, run_start[base + prev], base + nxt)
-    counts = np.cumsum(np.bincount(first.ravel(), minlength=m))
-    edges_before = np.repeat(np.arange(len(cells), dtype=np.int64) * (n_bins - 1), n[cells])
-    bins_asc = counts - edges_before
-    bins = np.empty(m, dtype=np.int64)
-    bins[asc_to_desc] = bins_asc
-    return bins
+    # covered[j] = how many of the cell's values are >= edge j. Above `lo` the edge lies in
+    # (lo, hi], so exactly the values from ascending index nxt up; at `lo` it is every value
+    # down to the end of lo's run of ties.
+    run_starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
+    run_starts = np.union1d(run_starts, start[cells])
+    after_run = np.append(run_starts, m)[np.searchsorted(run_starts, lo_at, side="right")]
+    covered = np.where(edges <= lo, after_run - base, count - nxt)
+    # bin of the value at descending index r = #{j : r < covered[j]} = edges - #{covered <= r}
+    hits = np.bincount((base + covered).ravel(), minlength=m + 1)[:m]
+    below = np.cumsum(hits) - np.repeat(
+        np.arange(len(cells), dtype=np.int64) * (n_bins - 1), n[cells]
+    )
+    return (n_bins - 1) - below
 
 
 def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
