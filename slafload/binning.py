@@ -40,7 +40,7 @@ def fixed_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
     return np.clip(bins, 0, n_bins - 1).astype(np.int64)
 
 
-class ScGPTFixedBins:
+class ScGPTFixedBins(ScGPT):
     """The ``scgpt`` layout with slafdb's fixed-width log1p bins in ``values``.
 
     Args:
@@ -50,20 +50,12 @@ class ScGPTFixedBins:
     """
 
     name = "scgpt_fixed"
+    min_bins = 1
 
     def __init__(
         self, *, max_genes: int = 1024, n_bins: int = 10, value_offset: int = VALUE_OFFSET
     ):
-        if not isinstance(n_bins, int) or n_bins < 1:
-            raise ValueError(f"n_bins must be a positive integer, got {n_bins!r}")
-        # The built-in supplies ids, mask and padding; its cheapest quantile values are
-        # overwritten below.
-        self._layout = ScGPT(max_genes=max_genes, n_bins=3, value_offset=value_offset)
-        self.max_genes, self.n_bins, self.value_offset = max_genes, n_bins, value_offset
+        super().__init__(max_genes=max_genes, n_bins=n_bins, value_offset=value_offset)
 
-    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
-        out = self._layout(ranked)
-        keep = ranked.top(self.max_genes)
-        rows, cols = ranked.entry_row[keep], ranked.entry_rank[keep] + 1
-        out["values"][rows, cols] = fixed_bins(ranked, self.n_bins)[keep] + self.value_offset
-        return out
+    def bins(self, ranked: RankedChunk) -> np.ndarray:
+        return fixed_bins(ranked, self.n_bins)

@@ -101,17 +101,25 @@ class Geneformer:
 
 
 class ScGPT:
-    """scGPT gene ids plus per-cell quantile-binned values, slafdb's dual-stream layout."""
+    """scGPT gene ids plus per-cell quantile-binned values, slafdb's dual-stream layout.
+
+    Subclasses change only how values are binned, by overriding :meth:`bins`.
+    """
 
     name = "scgpt"
+    min_bins = 3
 
     def __init__(
         self, *, max_genes: int = 1024, n_bins: int = 51, value_offset: int = VALUE_OFFSET
     ):
         _check_max_genes(max_genes, 1)
-        if not isinstance(n_bins, int) or n_bins < 3:
-            raise ValueError(f"n_bins must be an integer >= 3, got {n_bins!r}")
+        if not isinstance(n_bins, int) or n_bins < self.min_bins:
+            raise ValueError(f"n_bins must be an integer >= {self.min_bins}, got {n_bins!r}")
         self.max_genes, self.n_bins, self.value_offset = max_genes, n_bins, value_offset
+
+    def bins(self, ranked: RankedChunk) -> np.ndarray:
+        """``int64`` bin of every entry of ``ranked`` (before ``value_offset``)."""
+        return quantile_bins(ranked, self.n_bins)
 
     def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
         width = self.max_genes + 2
@@ -120,7 +128,7 @@ class ScGPT:
         ids[:, 0] = CLS
         flat, keep = _destinations(ranked, width, self.max_genes, first_col=1)
         ids.reshape(-1)[flat] = _gene_tokens(ranked, keep)
-        values.reshape(-1)[flat] = quantile_bins(ranked, self.n_bins)[keep] + self.value_offset
+        values.reshape(-1)[flat] = self.bins(ranked)[keep] + self.value_offset
         sep = ranked.output_lengths(self.max_genes) + 1
         ids[np.arange(ranked.n_cells), sep] = SEP
         return {"input_ids": ids, "attention_mask": ids != PAD, "values": values}
