@@ -154,13 +154,11 @@ class Pipeline:
                     raise
                 if piece is None or stopped():
                     break
-                ranking = start_rank(piece)
-                if pending is not None:
-                    previous, pending = pending, ranking
+                previous, pending = pending, start_rank(piece)
+                if previous is not None:
                     yield from deliver(batcher.add(self.tokenize(previous)))
                     if stopped():
                         return
-                pending = ranking
             if stopped():
                 return
             if pending is not None:
