@@ -24,7 +24,7 @@ import pyarrow as pa
 from slafload.dataset import SlafDataset
 from slafload.errors import ReadError, SlafloadError
 from slafload.samplers import Fetch
-from slafload.samplers.block import expand_ranges as expand
+from slafload.samplers.block import expand_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class Reader:
     ) -> Iterator[pa.RecordBatch]:
         expression = self.dataset.expression
         if (spans[:, 1] - spans[:, 0]).sum() < TAKE_BELOW_ROWS * len(spans):
-            table = expression.take(pa.array(expand(rows)), columns=COLUMNS)
+            table = expression.take(pa.array(expand_ranges(rows)), columns=COLUMNS)
             yield from table.to_batches(max_chunksize=self.batch_rows)
             return
         reader = expression._ds.take_scan(
@@ -135,7 +135,7 @@ def _cut(
         yield from batches  # the span is exactly one range
         return
     span = pa.Table.from_batches(list(batches)).combine_chunks()
-    yield from span.take(pa.array(expand(ranges - start))).to_batches()
+    yield from span.take(pa.array(expand_ranges(ranges - start))).to_batches()
 
 
 def coalesce(ranges: np.ndarray, max_gap: int) -> np.ndarray:
