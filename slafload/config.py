@@ -82,6 +82,9 @@ class LoaderConfig:
             ranked and tokenized at once (larger fetches are processed in pieces this size).
         queue_depth: Batches the producer may run ahead of the consumer.
         read_batch_rows: Rows per Arrow record batch requested from Lance.
+        read_ahead: Fetches whose reads are started before the current one is computed, so
+            Lance decodes them on its own threads meanwhile; each holds one fetch of Arrow
+            data in memory. ``0`` reads each fetch only when it is needed.
         retry: Retries of a fetch after a transient storage failure.
     """
 
@@ -94,6 +97,7 @@ class LoaderConfig:
     chunk_cells: int = 2048
     queue_depth: int = 64
     read_batch_rows: int = 1 << 20
+    read_ahead: int = 1
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
@@ -107,6 +111,12 @@ class LoaderConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if (
+            not isinstance(self.read_ahead, int)
+            or isinstance(self.read_ahead, bool)
+            or not (0 <= self.read_ahead <= 8)
+        ):
+            raise ValueError(f"read_ahead must be an integer in [0, 8], got {self.read_ahead!r}")
         if self.n_epochs is not None and (not isinstance(self.n_epochs, int) or self.n_epochs < 1):
             raise ValueError(f"n_epochs must be a positive integer or None, got {self.n_epochs!r}")
         if not isinstance(self.retry, RetryPolicy):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
 from slafload.rank import PendingRank, start_rank
 from slafload.reader import Reader
-from slafload.retry import RetryingReader
+from slafload.retry import PendingRead, RetryingReader
 from slafload.samplers import Sampler
 from slafload.shard import Part, RankStream, Segment, rank_stream
 from slafload.tokenizers import Tokenizer
@@ -177,11 +178,27 @@ class Pipeline:
         already in output order) is the unit of ranking and tokenizing, which keeps the token
         arrays small however large a sampler's fetches are.
         """
-        for part in parts:
+        # Read-ahead: the next fetches are started before this one is computed, so Lance decodes
+        # them on its own threads meanwhile (scattered block reads cost about as much as the
+        # compute; see docs/sampling.md).
+        parts = iter(parts)
+        ahead: deque[tuple[Part, PendingRead]] = deque()
+
+        def start_until(n: int) -> None:
+            while len(ahead) < n and (part := next(parts, None)) is not None:
+                ahead.append((part, reader.start(part.fetch)))
+
+        while True:
+            start_until(1)
+            if not ahead:
+                return
+            part, pending = ahead.popleft()
+            batches = pending.result()
+            start_until(self.config.read_ahead)
             fetch = part.fetch
             chunk = assemble(
                 fetch,
-                reader.read(fetch),
+                batches,
                 self.dataset.cell_start,
                 uri=self.dataset.uri,
                 n_genes=self.dataset.n_genes,

@@ -15,8 +15,10 @@ read depends on their shape (numbers from ``benchmarks/read_paths.py`` and docs/
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -27,13 +29,14 @@ from slafload.samplers import Fetch
 from slafload.samplers.block import expand_ranges
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+_END = object()
 
 COLUMNS = ["cell_integer_id", "gene_integer_id", "value"]
 MAX_GAP_ROWS = 32_768  # gaps up to this many rows are scanned through rather than skipped
 MAX_READ_AMPLIFICATION = 32  # ...unless that reads more than this many times the wanted rows
 TAKE_BELOW_ROWS = 512  # spans shorter than this on average are read by row id
 SCAN_FROM_ROWS = 1 << 16  # spans this long are scanned (take_scan is slower per row)
-_TAKE_SCAN_READAHEAD = 16
 
 
 class Reader:
@@ -65,10 +68,16 @@ class Reader:
         if len(rows) == 0:
             return
         try:
-            if len(rows) == 1:
-                yield from self._scan(int(rows[0, 0]), int(rows[0, 1]))
-            else:
-                yield from self._read_many(rows)
+            # Every Lance stream of the fetch is opened and started before the first batch is
+            # handed on: Lance then decodes all of them on its own threads, so a caller that
+            # takes the first batch early (``RetryingReader.start``) overlaps the read with work.
+            streams = (
+                [started(self._scan(int(rows[0, 0]), int(rows[0, 1])))]
+                if len(rows) == 1
+                else self._open_many(rows)
+            )
+            for stream in streams:
+                yield from stream
         except SlafloadError:
             raise
         except Exception as exc:
@@ -83,11 +92,12 @@ class Reader:
             offset=start,
             limit=stop - start,
             batch_size=self.batch_rows,
+            batch_readahead=max(16, -(-(stop - start) // self.batch_rows)),  # the whole range
             scan_in_order=True,
         )
-        yield from scanner.to_batches()
+        return iter(scanner.to_batches())
 
-    def _read_many(self, rows: np.ndarray) -> Iterator[pa.RecordBatch]:
+    def _open_many(self, rows: np.ndarray) -> list[Iterator[pa.RecordBatch]]:
         first, last = _span_ends(coalesce(rows, MAX_GAP_ROWS))
         wanted = int((rows[:, 1] - rows[:, 0]).sum())
         if int((rows[last, 1] - rows[first, 0]).sum()) > MAX_READ_AMPLIFICATION * wanted:
@@ -96,35 +106,67 @@ class Reader:
         long = spans[:, 1] - spans[:, 0] >= SCAN_FROM_ROWS
         # Runs of spans of one kind, in read order: long spans scan, runs of short ones batch.
         cuts = np.flatnonzero(np.diff(long)) + 1
+        streams = []
         for group in np.split(np.arange(len(spans)), cuts):
             if long[group[0]]:
                 for i in group.tolist():
-                    batches = self._scan(int(spans[i, 0]), int(spans[i, 1]))
-                    yield from _cut(batches, rows[first[i] : last[i] + 1], int(spans[i, 0]))
+                    batches = started(self._scan(int(spans[i, 0]), int(spans[i, 1])))
+                    streams.append(_cut(batches, rows[first[i] : last[i] + 1], int(spans[i, 0])))
             else:
-                yield from self._read_short(
-                    rows[first[group[0]] : last[group[-1]] + 1],
-                    spans[group],
-                    first[group],
-                    last[group] + 1,
+                streams.append(
+                    self._open_short(
+                        rows[first[group[0]] : last[group[-1]] + 1],
+                        spans[group],
+                        first[group],
+                        last[group] + 1,
+                    )
                 )
+        return streams
 
-    def _read_short(
+    def _open_short(
         self, rows: np.ndarray, spans: np.ndarray, first: np.ndarray, stop: np.ndarray
     ) -> Iterator[pa.RecordBatch]:
         expression = self.dataset.expression
         if (spans[:, 1] - spans[:, 0]).sum() < TAKE_BELOW_ROWS * len(spans):
             table = expression.take(pa.array(expand_ranges(rows)), columns=COLUMNS)
-            yield from table.to_batches(max_chunksize=self.batch_rows)
-            return
+            return iter(table.to_batches(max_chunksize=self.batch_rows))
         reader = expression._ds.take_scan(
             [tuple(s) for s in spans.tolist()],
             columns=COLUMNS,
-            batch_readahead=_TAKE_SCAN_READAHEAD,
+            batch_readahead=len(spans),  # all of them: Lance reads the fetch in the background
         )
-        offset = first[0]
-        for i, batch in enumerate(reader):  # one batch per span, in request order
-            yield from _cut([batch], rows[first[i] - offset : stop[i] - offset], int(spans[i, 0]))
+        return _cut_spans(started(iter(reader)), rows, first, stop, spans)
+
+
+def _cut_spans(
+    batches: Iterator[pa.RecordBatch],
+    rows: np.ndarray,
+    first: np.ndarray,
+    stop: np.ndarray,
+    spans: np.ndarray,
+) -> Iterator[pa.RecordBatch]:
+    offset = first[0]
+    for i, batch in enumerate(batches):  # one batch per span, in request order
+        yield from _cut([batch], rows[first[i] - offset : stop[i] - offset], int(spans[i, 0]))
+
+
+def started(items: Iterable[T]) -> Iterator[T]:
+    """``items`` with its first item pulled now; an error in doing so is raised on iteration.
+
+    Pulling a Lance stream's first batch starts its read-ahead on Lance's own threads: the rest
+    is decoded in the background while the caller does other work.
+    """
+    items = iter(items)
+    try:
+        head = next(items, _END)
+    except Exception as exc:
+        return _raising(exc)
+    return items if head is _END else itertools.chain([head], items)
+
+
+def _raising(exc: Exception) -> Iterator[Any]:
+    raise exc
+    yield
 
 
 def _cut(

@@ -17,12 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import pyarrow as pa
 
 from slafload.config import RetryPolicy
 from slafload.errors import ReadError, SlafloadError
+from slafload.reader import started
 from slafload.samplers import Fetch
 
 logger = logging.getLogger(__name__)
@@ -67,10 +69,31 @@ class RetryingReader:
                 message names the fetch index and cell ranges and the cause is chained.
             SlafloadError: a data error (e.g. inconsistent rows) passes through unchanged.
         """
+        return self.start(fetch).result()
+
+    def start(self, fetch: Fetch) -> PendingRead:
+        """Start the first attempt at ``fetch`` and return with its rows on the way.
+
+        The wrapped reader is taken as far as its first batch, which for
+        :class:`~slafload.reader.Reader` sets Lance decoding the whole fetch on Lance's own
+        threads while the caller works on something else. A failure so far surfaces (and is
+        retried) in :meth:`PendingRead.result`, so the batches of earlier fetches are still
+        delivered first.
+        """
+
+        def first_attempt() -> Iterator[pa.RecordBatch]:
+            yield from self.reader.read(fetch)
+
+        return PendingRead(self, fetch, started(first_attempt()))
+
+    def _complete(
+        self, fetch: Fetch, first_attempt: Iterator[pa.RecordBatch]
+    ) -> list[pa.RecordBatch]:
         policy = self.policy
         for attempt in range(1, policy.attempts + 1):
             try:
-                return iter(list(self.reader.read(fetch)))
+                batches = first_attempt if attempt == 1 else self.reader.read(fetch)
+                return list(batches)
             except Exception as exc:
                 transient = self._is_transient(exc)
                 if not transient or attempt == policy.attempts:
@@ -121,3 +144,16 @@ def _spans(fetch: Fetch, limit: int = 8) -> str:
     ranges = fetch.ranges.tolist()
     spans = ", ".join(f"[{a}, {b})" for a, b in ranges[:limit])
     return spans + (f", ... {len(ranges) - limit} more" if len(ranges) > limit else "")
+
+
+@dataclass(frozen=True, eq=False)
+class PendingRead:
+    """A fetch whose first attempt has started (see :meth:`RetryingReader.start`)."""
+
+    reader: RetryingReader
+    fetch: Fetch
+    first_attempt: Iterator[pa.RecordBatch]
+
+    def result(self) -> Iterator[pa.RecordBatch]:
+        """All record batches of the fetch, retrying as :meth:`RetryingReader.read` does."""
+        return iter(self.reader._complete(self.fetch, self.first_attempt))

@@ -74,3 +74,24 @@ def test_a_storage_failure_raises_read_error_naming_the_fetch(dataset):
     with pytest.raises(ReadError, match=r"Fetch\(index=7.*expression rows \[") as info:
         list(Reader(dataset).read(fetch))
     assert dataset.uri in str(info.value)
+
+
+def test_started_pulls_the_first_item_now_and_defers_its_error():
+    pulled = []
+
+    def items():
+        pulled.append(1)
+        yield "a"
+        yield "b"
+
+    it = slafload.reader.started(items())
+    assert pulled == [1] and list(it) == ["a", "b"]
+    assert list(slafload.reader.started(iter(()))) == []
+
+    def failing():
+        raise OSError("disk gone")
+        yield
+
+    it = slafload.reader.started(failing())  # no error yet
+    with pytest.raises(OSError, match="disk gone"):
+        next(it)

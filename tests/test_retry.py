@@ -11,6 +11,7 @@ import time
 from collections import Counter
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 import slafload.pipeline
@@ -156,3 +157,26 @@ def test_lance_io_errors_are_transient_by_message_and_others_are_not():
     assert policy.is_transient(ConnectionResetError("reset by peer"))
     assert not policy.is_transient(pa.ArrowInvalid("schema mismatch"))
     assert not RetryPolicy(transient=(), transient_messages=("x",)).is_transient(OSError("y"))
+
+
+def test_start_reads_ahead_and_keeps_a_failure_for_result_which_retries_it(small_slaf):
+    ds = open_dataset(small_slaf)
+    flaky = flaky_reader({0: 2})
+    waits = []
+    reader = RetryingReader(flaky(ds), FAST, uri=ds.uri, sleep=waits.append)
+    fetch = Fetch(0, np.array([[40, 60], [0, 10]]))
+    pending = reader.start(fetch)  # the first attempt has run (and failed): nothing raised yet
+    assert flaky.calls[0] == 1 and waits == []
+    batches = list(pending.result())
+    assert flaky.calls[0] == 3 and len(waits) == 2
+    clean = list(Reader(ds).read(fetch))
+    assert pa.Table.from_batches(batches).equals(pa.Table.from_batches(clean))
+
+
+def test_a_non_transient_failure_of_a_started_read_surfaces_in_result(small_slaf):
+    ds = open_dataset(small_slaf)
+    flaky = flaky_reader({0: 1}, exc=KeyError)
+    pending = RetryingReader(flaky(ds), FAST, uri=ds.uri).start(Fetch(0, np.array([[0, 10]])))
+    with pytest.raises(ReadError, match="non-transient KeyError"):
+        pending.result()
+    assert flaky.calls[0] == 1

@@ -1,0 +1,105 @@
+"""The producer's read-ahead: later fetches are read while the current one is computed."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import slafload.pipeline
+from slafload import Loader, open_dataset
+from slafload.config import LoaderConfig
+from slafload.pipeline import Pipeline
+from slafload.reader import Reader
+from slafload.retry import RetryingReader
+from slafload.samplers import BlockShuffle, ChunkShuffle, Streaming
+from slafload.tokenizers import Geneformer
+
+
+class RecordingReader(Reader):
+    """A real Reader that logs when a fetch's read begins (its generator is first advanced)."""
+
+    def __init__(self, dataset, events: list[tuple[str, int]]):
+        super().__init__(dataset)
+        self.events = events
+
+    def read(self, fetch):
+        self.events.append(("read", fetch.index))
+        yield from super().read(fetch)
+
+
+@pytest.mark.parametrize(
+    ("read_ahead", "expected"),
+    [
+        (0, ["read 0", "piece 0", "read 1", "piece 1", "read 2", "piece 2", "read 3"]),
+        (1, ["read 0", "read 1", "piece 0", "read 2", "piece 1", "read 3", "piece 2"]),
+        (2, ["read 0", "read 1", "read 2", "piece 0", "read 3", "piece 1", "read 4"]),
+    ],
+)
+def test_the_next_fetches_are_read_before_the_current_one_is_computed(
+    small_slaf, read_ahead, expected
+):
+    ds = open_dataset(small_slaf)
+    config = LoaderConfig(chunk_cells=32, read_ahead=read_ahead)
+    pipeline = Pipeline(ds, Streaming(chunk_cells=32), Geneformer(max_genes=8), config)
+    events: list[tuple[str, int]] = []
+    reader = RetryingReader(RecordingReader(ds, events), config.retry)
+    for piece in pipeline.pieces(pipeline.stream(0).parts(0, 0, 1), reader):
+        np.testing.assert_array_equal(piece.cell_ids // 32, piece.fetch_index)
+        events.append(("piece", piece.fetch_index))
+    log = [f"{kind} {index}" for kind, index in events]
+    assert log[: len(expected)] == expected
+    assert Counter(kind for kind, _ in events) == {"read": 10, "piece": 10}  # 300 cells / 32
+
+
+@pytest.mark.parametrize("read_ahead", [0, 1, 3])
+@pytest.mark.parametrize(
+    "sampler",
+    [ChunkShuffle(chunk_cells=48), BlockShuffle(block_size=4, fetch_factor=3, batch_size=16)],
+    ids=["chunk", "block"],
+)
+def test_read_ahead_changes_nothing_the_consumer_sees(small_slaf, sampler, read_ahead):
+    def run(read_ahead: int) -> list[dict[str, np.ndarray]]:
+        with Loader(
+            small_slaf,
+            sampler=sampler,
+            batch_size=16,
+            chunk_cells=32,
+            n_epochs=2,
+            seed=4,
+            read_ahead=read_ahead,
+        ) as loader:
+            return [{k: v.numpy() for k, v in b.items()} for b in loader]
+
+    batches, reference = run(read_ahead), run(1)
+    ids = np.concatenate([b["cell_integer_id"] for b in batches])
+    for epoch in np.split(ids, 2):
+        np.testing.assert_array_equal(np.sort(epoch), np.arange(300))
+    assert len(batches) == len(reference)
+    for got, want in zip(batches, reference, strict=True):
+        assert got.keys() == want.keys()
+        assert all(np.array_equal(got[k], want[k]) for k in got)
+
+
+def test_a_failed_read_ahead_is_retried_when_its_turn_comes(small_slaf, monkeypatch):
+    calls: Counter[int] = Counter()
+
+    class FailsOnce(Reader):
+        def read(self, fetch):
+            calls[fetch.index] += 1
+            if fetch.index == 1 and calls[1] == 1:
+                raise OSError("injected fault while reading ahead")
+            yield from super().read(fetch)
+
+    monkeypatch.setattr(slafload.pipeline, "Reader", FailsOnce)
+    with Loader(small_slaf, batch_size=16, chunk_cells=32, shuffle=False) as loader:
+        ids = np.concatenate([b["cell_integer_id"].numpy() for b in loader])
+    np.testing.assert_array_equal(ids, np.arange(300))
+    assert calls[1] == 2 and all(calls[i] == 1 for i in calls if i != 1)
+
+
+@pytest.mark.parametrize("bad", [-1, 9, 1.0, True])
+def test_read_ahead_is_validated(bad):
+    with pytest.raises(ValueError, match=r"read_ahead must be an integer in \[0, 8\]"):
+        LoaderConfig(read_ahead=bad)
