@@ -39,7 +39,9 @@ from slafload.samplers import BlockShuffle, ChunkShuffle, Sampler
 ROOT = Path.cwd()
 
 
-def run(ds: slafload.SlafDataset, sampler: Sampler, args, fetch_cells: int) -> dict[str, Any]:
+def run(
+    ds: slafload.SlafDataset, sampler: Sampler, args, fetch_cells: int, read_ahead: int = 1
+) -> dict[str, Any]:
     """Steady-state cells/s and per-minibatch plate entropies of one loader run.
 
     The first fetch is a warm-up (its latency is the time to first batch, not throughput); then
@@ -56,6 +58,7 @@ def run(ds: slafload.SlafDataset, sampler: Sampler, args, fetch_cells: int) -> d
         obs_columns=["plate"],
         n_epochs=None,
         seed=args.seed,
+        read_ahead=read_ahead,
     ) as loader:
         for batch in loader:
             plates = batch["plate"].numpy()
@@ -132,23 +135,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        lo - slack - first_order_error <= h <= hi + slack))  # fmt: skip
         grid[f"b{b}_f{f}"] = res
 
-    chunk = run(ds, ChunkShuffle(chunk_cells=args.chunk_cells), args, args.chunk_cells)
+    # The claim points and ChunkShuffle are re-timed interleaved, with the producer's read-ahead
+    # on (the default) and off, so both ratios come from the same stretch of machine time.
+    chunk_sampler = ChunkShuffle(chunk_cells=args.chunk_cells)
+    chunk = run(ds, chunk_sampler, args, args.chunk_cells)
     claim_points = [(b, f) for b in blocks if 16 <= b <= 64 for f in factors if f >= 64]
+    timed = [("chunk_shuffle", chunk_sampler, args.chunk_cells)] + [
+        (f"b{b}_f{f}", block(b, f), block(b, f).blocks_per_fetch * b) for b, f in claim_points
+    ]
     timings: dict[str, list[float]] = {"chunk_shuffle": [chunk["cells_per_s"]]}
     for key in (f"b{b}_f{f}" for b, f in claim_points):
         timings[key] = [grid[key]["cells_per_s"]]
+    no_read_ahead: dict[str, list[float]] = {key: [] for key, _, _ in timed}
     for _ in progress(range(args.repeats - 1), desc="re-timing claim points"):
-        timings["chunk_shuffle"].append(
-            run(ds, ChunkShuffle(chunk_cells=args.chunk_cells), args, args.chunk_cells)[
-                "cells_per_s"
-            ]
-        )
-        for b, f in claim_points:
-            timings[f"b{b}_f{f}"].append(
-                run(ds, block(b, f), args, block(b, f).blocks_per_fetch * b)["cells_per_s"]
+        for key, sampler, fetch_cells in timed:
+            timings[key].append(run(ds, sampler, args, fetch_cells)["cells_per_s"])
+            no_read_ahead[key].append(
+                run(ds, sampler, args, fetch_cells, read_ahead=0)["cells_per_s"]
             )
     chunk["cells_per_s"] = statistics.median(timings["chunk_shuffle"])
     chunk["runs_cells_per_s"] = timings["chunk_shuffle"]
+    read_ahead = {
+        key: {
+            "cells_per_s_read_ahead_0": statistics.median(runs) if runs else None,
+            "speedup_from_read_ahead": (
+                statistics.median(timings[key]) / statistics.median(runs) if runs else None
+            ),
+        }
+        for key, runs in no_read_ahead.items()
+    }
     random_key = f"b1_f{max(factors)}" if 1 in blocks else None
     random_h = grid[random_key]["entropy_bits"] if random_key else None
     claims = []
@@ -200,6 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             r["within_bounds_up_to_first_order_error"] for r in grid.values()
         ),
         "claims": claims,
+        "read_ahead_ablation": read_ahead,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -228,6 +244,9 @@ def print_table(report: dict[str, Any], blocks: list[int], factors: list[int]) -
         print(f"claim b={c['block_size']} f={c['fetch_factor']}: gap to random "
               f"{c['entropy_gap_to_random']:.3f} bits, {c['throughput_vs_chunk_shuffle']:.2f}x "
               f"ChunkShuffle throughput -> {'holds' if c['holds'] else 'FAILS'}")  # fmt: skip
+    for key, r in report["read_ahead_ablation"].items():
+        if r["speedup_from_read_ahead"] is not None:
+            print(f"read-ahead {key}: {r['speedup_from_read_ahead']:.2f}x over read_ahead=0")
 
 
 def plot(report: dict[str, Any], blocks: list[int], factors: list[int], path: Path) -> None:

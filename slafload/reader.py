@@ -6,11 +6,15 @@ read depends on their shape (numbers from ``benchmarks/read_paths.py`` and docs/
 
 - one range (streaming, chunk shuffle): one Lance scan with ``offset``/``limit``;
 - many ranges (block sampling): ranges whose gaps are short are coalesced into spans (scanning
-  a gap row costs ~5-8 ns, a separate range request ~0.2-0.5 ms), unless the spans would hold
+  a gap row costs a few ns, a separate range request ~0.2-0.5 ms), unless the spans would hold
   more than 32 times the wanted rows (sparse single cells are cheaper by row id); spans of 64Ki
-  rows or more are scanned, runs of shorter spans are read with one ``take_scan`` call (one
-  request, Lance parallelises it) and the wanted rows cut out with Arrow ``take``, or, when
-  they are tiny (single cells), with one ``take`` of their row ids.
+  rows or more are scanned, all shorter spans are read with one ``take_scan`` call (Lance
+  parallelises it) or, when they are tiny (single cells), one ``take`` of their row ids; the
+  wanted rows are zero-copy slices of the spans.
+
+Every Lance stream of a fetch is opened and started (its first batch pulled) before the first
+batch is handed on, so Lance decodes the whole fetch on its own threads; a caller that takes the
+first batch early (``RetryingReader.start``) overlaps the read with other work.
 """
 
 from __future__ import annotations
@@ -71,13 +75,10 @@ class Reader:
             # Every Lance stream of the fetch is opened and started before the first batch is
             # handed on: Lance then decodes all of them on its own threads, so a caller that
             # takes the first batch early (``RetryingReader.start``) overlaps the read with work.
-            streams = (
-                [started(self._scan(int(rows[0, 0]), int(rows[0, 1])))]
-                if len(rows) == 1
-                else self._open_many(rows)
-            )
-            for stream in streams:
-                yield from stream
+            if len(rows) == 1:
+                yield from started(self._scan(int(rows[0, 0]), int(rows[0, 1])))
+            else:
+                yield from self._read_many(rows)
         except SlafloadError:
             raise
         except Exception as exc:
@@ -97,57 +98,45 @@ class Reader:
         )
         return iter(scanner.to_batches())
 
-    def _open_many(self, rows: np.ndarray) -> list[Iterator[pa.RecordBatch]]:
+    def _read_many(self, rows: np.ndarray) -> Iterator[pa.RecordBatch]:
         first, last = _span_ends(coalesce(rows, MAX_GAP_ROWS))
         wanted = int((rows[:, 1] - rows[:, 0]).sum())
         if int((rows[last, 1] - rows[first, 0]).sum()) > MAX_READ_AMPLIFICATION * wanted:
             first, last = _span_ends(np.arange(len(rows)))  # sparse: skip the gaps instead
         spans = np.stack([rows[first, 0], rows[last, 1]], axis=1)
+        ranges = [rows[a : b + 1] for a, b in zip(first.tolist(), last.tolist(), strict=True)]
         long = spans[:, 1] - spans[:, 0] >= SCAN_FROM_ROWS
-        # Runs of spans of one kind, in read order: long spans scan, runs of short ones batch.
-        cuts = np.flatnonzero(np.diff(long)) + 1
-        streams = []
-        for group in np.split(np.arange(len(spans)), cuts):
-            if long[group[0]]:
-                for i in group.tolist():
-                    batches = started(self._scan(int(spans[i, 0]), int(spans[i, 1])))
-                    streams.append(_cut(batches, rows[first[i] : last[i] + 1], int(spans[i, 0])))
-            else:
-                streams.append(
-                    self._open_short(
-                        rows[first[group[0]] : last[group[-1]] + 1],
-                        spans[group],
-                        first[group],
-                        last[group] + 1,
-                    )
-                )
-        return streams
+        # A scanner per long span and one Lance call for all short ones, all started before the
+        # first batch is handed on; then the wanted rows of each span, in span order.
+        scans = {i: started(self._scan(*spans[i].tolist())) for i in np.flatnonzero(long).tolist()}
+        shorts = self._read_short(spans, ranges, np.flatnonzero(~long))
+        for i, span in enumerate(ranges):
+            yield from _cut(scans.pop(i), span, int(spans[i, 0])) if long[i] else next(shorts)
 
-    def _open_short(
-        self, rows: np.ndarray, spans: np.ndarray, first: np.ndarray, stop: np.ndarray
-    ) -> Iterator[pa.RecordBatch]:
+    def _read_short(
+        self, spans: np.ndarray, ranges: list[np.ndarray], which: np.ndarray
+    ) -> Iterator[Iterator[pa.RecordBatch]]:
+        """The wanted rows of each span in ``which``, in order, read by one Lance call."""
+        if len(which) == 0:
+            return iter(())
         expression = self.dataset.expression
-        if (spans[:, 1] - spans[:, 0]).sum() < TAKE_BELOW_ROWS * len(spans):
-            table = expression.take(pa.array(expand_ranges(rows)), columns=COLUMNS)
-            return iter(table.to_batches(max_chunksize=self.batch_rows))
-        reader = expression._ds.take_scan(
-            [tuple(s) for s in spans.tolist()],
+        wanted = [ranges[i] for i in which.tolist()]
+        if (spans[which, 1] - spans[which, 0]).sum() < TAKE_BELOW_ROWS * len(which):
+            table = expression.take(pa.array(expand_ranges(np.concatenate(wanted))), COLUMNS)
+            ends = np.cumsum([int((w[:, 1] - w[:, 0]).sum()) for w in wanted]).tolist()
+            return (
+                _nonempty(table.slice(a, b - a).to_batches())
+                for a, b in zip([0, *ends[:-1]], ends, strict=True)
+            )
+        batches = expression._ds.take_scan(
+            [tuple(s) for s in spans[which].tolist()],
             columns=COLUMNS,
-            batch_readahead=len(spans),  # all of them: Lance reads the fetch in the background
+            batch_readahead=len(which),  # all of them: Lance reads the fetch in the background
         )
-        return _cut_spans(started(iter(reader)), rows, first, stop, spans)
-
-
-def _cut_spans(
-    batches: Iterator[pa.RecordBatch],
-    rows: np.ndarray,
-    first: np.ndarray,
-    stop: np.ndarray,
-    spans: np.ndarray,
-) -> Iterator[pa.RecordBatch]:
-    offset = first[0]
-    for i, batch in enumerate(batches):  # one batch per span, in request order
-        yield from _cut([batch], rows[first[i] - offset : stop[i] - offset], int(spans[i, 0]))
+        return (  # one batch per span, in request order
+            _cut([batch], w, int(spans[i, 0]))
+            for batch, w, i in zip(started(batches), wanted, which.tolist(), strict=True)
+        )
 
 
 def started(items: Iterable[T]) -> Iterator[T]:
@@ -176,8 +165,14 @@ def _cut(
     if len(ranges) == 1:
         yield from batches  # the span is exactly one range
         return
-    span = pa.Table.from_batches(list(batches)).combine_chunks()
-    yield from span.take(pa.array(expand_ranges(ranges - start))).to_batches()
+    # Zero-copy slices: the chunk stage copies the wanted rows once when it concatenates them.
+    span = pa.Table.from_batches(list(batches))
+    for a, b in (ranges - start).tolist():
+        yield from _nonempty(span.slice(a, b - a).to_batches())
+
+
+def _nonempty(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    return (batch for batch in batches if batch.num_rows)
 
 
 def coalesce(ranges: np.ndarray, max_gap: int) -> np.ndarray:
