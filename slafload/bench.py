@@ -195,8 +195,10 @@ def ensure_atlas(args) -> Path:
     path = Path(args.data) / ("atlas_{n_cells}x{n_genes}_nnz{mean_nnz}.slaf".format(**params))
     config = path / "config.json"
     if config.exists():
-        with contextlib.suppress(ValueError, KeyError):
-            if json.loads(config.read_text())["generator"]["params"] == params:
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            generator = json.loads(config.read_text())["generator"]
+            written = {**generator["params"], "seed": generator["seed"]}
+            if all(written.get(k) == v for k, v in params.items()):
                 return path
     print(f"writing synthetic atlas {path} ...", file=sys.stderr)
     slafload.synthetic.write_atlas(path, overwrite=True, progress=True, **params)
