@@ -72,9 +72,6 @@ class Reader:
         if len(rows) == 0:
             return
         try:
-            # Every Lance stream of the fetch is opened and started before the first batch is
-            # handed on: Lance then decodes all of them on its own threads, so a caller that
-            # takes the first batch early (``RetryingReader.start``) overlaps the read with work.
             if len(rows) == 1:
                 yield from started(self._scan(int(rows[0, 0]), int(rows[0, 1])))
             else:
@@ -122,7 +119,8 @@ class Reader:
         expression = self.dataset.expression
         wanted = [ranges[i] for i in which.tolist()]
         if (spans[which, 1] - spans[which, 0]).sum() < TAKE_BELOW_ROWS * len(which):
-            table = expression.take(pa.array(expand_ranges(np.concatenate(wanted))), COLUMNS)
+            ids = pa.array(expand_ranges(np.concatenate(wanted)))
+            table = expression.take(ids, columns=COLUMNS)
             ends = np.cumsum([int((w[:, 1] - w[:, 0]).sum()) for w in wanted]).tolist()
             return (
                 _nonempty(table.slice(a, b - a).to_batches())
