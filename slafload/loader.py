@@ -9,8 +9,6 @@ the producer had prefetched are produced again after ``close()`` or a break, nev
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import weakref
@@ -19,6 +17,7 @@ from typing import Any
 
 import torch
 
+from slafload.checkpoint import cell_order, fingerprint, require_same_order
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.distributed import resolve_rank
@@ -33,10 +32,6 @@ from slafload.torch_data import SlafIterableDataset
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = "slafload.loader.v1"
-
-
-def _fingerprint(order: Mapping[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(order, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class Loader:
@@ -165,11 +160,7 @@ class Loader:
 
     def _order(self) -> dict[str, Any]:
         """The settings that decide which cells come in which order."""
-        return {
-            "sampler": repr(self.sampler),
-            "seed": self.config.seed,
-            "n_cells": self.dataset.n_cells,
-        }
+        return cell_order(self.sampler, self.config.seed, self.dataset.n_cells)
 
     def state_dict(self) -> dict[str, Any]:
         """What the consumer has received, as a small JSON-serializable dict.
@@ -185,7 +176,7 @@ class Loader:
             "format": STATE_FORMAT,
             "dataset": {"uri": self.dataset.uri, "versions": self.dataset.versions},
             "order": order,
-            "fingerprint": _fingerprint(order),
+            "fingerprint": fingerprint(order),
             "epoch": pos.epoch,
             "segments": segments,
             "rank": self.rank,
@@ -218,16 +209,7 @@ class Loader:
                     f"versions {versions}: {exc}"
                 ) from exc
             self._build_pipeline()
-        ours = self._order()
-        if state["fingerprint"] != _fingerprint(ours):
-            differ = {
-                k: (state["order"].get(k), v) for k, v in ours.items() if state["order"].get(k) != v
-            }
-            raise StateError(
-                "this loader would deliver cells in a different order than the one that wrote "
-                f"the state; differing settings (checkpoint, loader): {differ}. Construct the "
-                "loader with the checkpoint's sampler and seed."
-            )
+        require_same_order(state, self._order())
         segments = [Segment(int(w), int(c)) for w, c in state["segments"]]
         last = segments[-1]
         if last.world_size == self.world_size:

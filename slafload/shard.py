@@ -144,14 +144,19 @@ class RankStream:
         return ranges, seed
 
     def parts(self, skip: int = 0, worker: int = 0, n_workers: int = 1) -> Iterator[Part]:
-        """The parts still to deliver after ``skip`` cells, within the quota (lazy)."""
-        sizes, prefix, r = self.sizes[:, self.rank], self.prefix[:, self.rank], self.rank
-        keep = np.clip(self.quota - prefix, 0, sizes)
-        drop = np.clip(skip - prefix, 0, sizes)
-        todo = np.flatnonzero(keep > drop)
-        for j in todo[worker::n_workers].tolist():
-            ranges, seed = self.part(j, r)
-            yield Part(Fetch(j, ranges, seed), int(drop[j]), int(keep[j]))
+        """The parts still to deliver, within the quota (lazy).
+
+        With ``n_workers > 1`` worker ``worker`` takes every ``n_workers``-th non-empty part,
+        and ``skip`` counts the cells *this worker* has delivered: positions are per worker.
+        """
+        keep = np.clip(self.quota - self.prefix[:, self.rank], 0, self.sizes[:, self.rank])
+        mine = np.flatnonzero(keep)[worker::n_workers]
+        before = np.cumsum(keep[mine]) - keep[mine]  # this worker's cells before each part
+        drop = np.clip(skip - before, 0, keep[mine])
+        for j, d in zip(mine.tolist(), drop.tolist(), strict=True):
+            if d < keep[j]:
+                ranges, seed = self.part(j, self.rank)
+                yield Part(Fetch(j, ranges, seed), d, int(keep[j]))
 
     def consumed(self, cells: int) -> list[tuple[int, np.ndarray]]:
         """Items partly consumed when every rank has taken ``cells`` cells, with those cells.

@@ -11,6 +11,13 @@ advances the epoch counter of the object iterated: in-process, and in persistent
 (``persistent_workers=True``), epochs therefore advance by themselves. Non-persistent workers
 iterate fresh copies each epoch, so, as with ``DistributedSampler``, call ``set_epoch(e)``
 before each epoch; it is harmless in the other cases.
+
+Resume: the dataset has torchdata's ``state_dict``/``load_state_dict``. Under
+``torchdata.stateful_dataloader.StatefulDataLoader`` every worker's copy reports, with each
+batch it yields, the epoch it is in and how many cells *it* has yielded; the loader keeps the
+state of the last batch the training loop received from each worker, and after
+``load_state_dict`` every worker continues after exactly those cells. A state is only valid
+with the same number of workers, sampler, seed and dataset size (checked).
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from slafload.checkpoint import cell_order, fingerprint, require_same_order
 from slafload.config import LoaderConfig
 from slafload.dataset import open_dataset
+from slafload.errors import StateError
 from slafload.pipeline import Batch, ChunkTransform, Pipeline
 from slafload.samplers import Sampler
 from slafload.tokenizers import Tokenizer
@@ -62,11 +71,14 @@ class SlafIterableDataset(IterableDataset[Batch]):
             "obs_columns": tuple(obs_columns),
         }
         self.epoch = epoch
+        self._progress = (epoch, 0)  # (epoch, cells this copy has yielded in it)
+        self._resume: tuple[int, int] | None = None  # set by load_state_dict
         self._pipeline: Pipeline | None = None  # opened lazily, in the process that iterates
 
     def set_epoch(self, epoch: int) -> None:
         """Iterate epoch ``epoch`` next (call before each epoch when using workers)."""
         self.epoch = int(epoch)
+        self._progress = (self.epoch, 0)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_pipeline": None}
@@ -89,15 +101,66 @@ class SlafIterableDataset(IterableDataset[Batch]):
         return self._pipeline
 
     def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        worker, n_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        worker, n_workers = _worker()
         pipeline = self._open()
-        epoch = self.epoch
-        self.epoch += 1  # in-process and persistent workers advance by themselves
-        for delivery in pipeline.epoch(epoch, worker=worker, n_workers=n_workers):
+        epoch, skip = self._resume or (self.epoch, 0)
+        self._resume = None
+        self.epoch = epoch + 1  # in-process and persistent workers advance by themselves
+        self._progress = (epoch, skip)
+        for delivery in pipeline.epoch(epoch, skip=skip, worker=worker, n_workers=n_workers):
+            self._progress = (epoch, delivery.after.cells)
             yield delivery.batch
+        self._progress = (epoch + 1, 0)
+
+    def _order(self) -> dict[str, Any]:
+        s = self._settings
+        return cell_order(s["sampler"], s["config"].seed, self._open().dataset.n_cells)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This copy's position: the epoch under way and the cells it has yielded in it."""
+        worker, n_workers = _worker()
+        order = self._order()
+        epoch, cells = self._resume or self._progress
+        return {
+            "format": STATE_FORMAT,
+            "order": order,
+            "fingerprint": fingerprint(order),
+            "epoch": epoch,
+            "cells": cells,
+            "worker": worker,
+            "n_workers": n_workers,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Make the next iteration of this copy continue after the position in ``state``.
+
+        Raises:
+            StateError: ``state`` is not a state of this dataset, or was taken with another
+                number of DataLoader workers or settings that order the cells differently.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise StateError(f"not a slafload torch dataset state (expected {STATE_FORMAT!r})")
+        worker, n_workers = _worker()
+        if (state["worker"], state["n_workers"]) != (worker, n_workers):
+            raise StateError(
+                f"the state was taken by DataLoader worker {state['worker']} of "
+                f"{state['n_workers']}, but is being loaded into worker {worker} of {n_workers}; "
+                "resume with the same num_workers (each worker's position counts its own cells)."
+            )
+        require_same_order(state, self._order())
+        self._resume = (int(state["epoch"]), int(state["cells"]))
+        self.epoch = self._resume[0]
 
     def __len__(self) -> int:
         bs = self._settings["config"].batch_size
         quota = self._open().stream(self.epoch, ()).quota
         return quota // bs if self._settings["config"].drop_last else -(-quota // bs)
+
+
+STATE_FORMAT = "slafload.torch_dataset.v1"
+
+
+def _worker() -> tuple[int, int]:
+    """This process's DataLoader worker id and worker count (``(0, 1)`` outside workers)."""
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)

@@ -1,0 +1,98 @@
+"""The IterableDataset face resumes exactly, alone and under torchdata's StatefulDataLoader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import random_counts, write_dense
+
+from slafload import Loader, StateError
+from slafload.samplers import BlockShuffle, ChunkShuffle
+
+N = 230
+SPAWN = {"batch_size": None, "multiprocessing_context": "spawn"}
+
+
+@pytest.fixture(scope="module")
+def atlas(tmp_path_factory):
+    dense = random_counts(N, 30, seed=3, empty_every=17)
+    return write_dense(tmp_path_factory.mktemp("torch") / "t.slaf", dense, max_rows_per_file=301)
+
+
+def torch_dataset(atlas, seed=1):
+    sampler = BlockShuffle(block_size=4, fetch_factor=2, batch_size=12)
+    with Loader(atlas, sampler=sampler, batch_size=12, max_genes=8, seed=seed) as loader:
+        return loader.as_torch_dataset()
+
+
+def ids(batches) -> list[np.ndarray]:
+    return [b["cell_integer_id"].numpy().copy() for b in batches]
+
+
+def assert_batch_for_batch_equal(head, rest, full) -> None:
+    assert len(head) + len(rest) == len(full)
+    for got, want in zip(head + rest, full, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("stop_after", [0, 1, 7, 19, 20])
+def test_a_state_taken_mid_epoch_resumes_exactly_in_process(atlas, stop_after):
+    full = ids(torch_dataset(atlas))
+    assert len(full) == 20  # ceil(230 / 12)
+    ds = torch_dataset(atlas)
+    it = iter(ds)
+    head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(stop_after)]
+    state = ds.state_dict()
+    assert (state["epoch"], state["cells"]) == (
+        (0, sum(map(len, head))) if stop_after < 20 else (0, 230)
+    )
+    resumed = torch_dataset(atlas)
+    resumed.load_state_dict(state)
+    assert_batch_for_batch_equal(head, ids(resumed), full)
+
+
+def test_the_state_after_a_whole_epoch_points_at_the_next_one(atlas):
+    ds = torch_dataset(atlas)
+    first = np.concatenate(ids(ds))
+    state = ds.state_dict()
+    assert (state["epoch"], state["cells"]) == (1, 0)
+    resumed = torch_dataset(atlas)
+    resumed.load_state_dict(state)
+    second = np.concatenate(ids(resumed))
+    np.testing.assert_array_equal(np.sort(second), np.arange(N))
+    assert not np.array_equal(first, second)
+
+
+# torchdata 0.11 calls torch's deprecated ``set_vital`` on import.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_stateful_dataloader_with_two_workers_resumes_exactly(atlas):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    full = ids(StatefulDataLoader(torch_dataset(atlas), num_workers=2, **SPAWN))
+    np.testing.assert_array_equal(np.sort(np.concatenate(full)), np.arange(N))
+
+    loader = StatefulDataLoader(torch_dataset(atlas), num_workers=2, **SPAWN)
+    it = iter(loader)
+    head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(7)]
+    state = loader.state_dict()  # the workers have prefetched beyond these 7 batches
+    del it, loader
+
+    resumed = StatefulDataLoader(torch_dataset(atlas), num_workers=2, **SPAWN)
+    resumed.load_state_dict(state)
+    assert_batch_for_batch_equal(head, ids(resumed), full)
+
+
+def test_a_state_is_refused_by_another_worker_count_or_cell_order(atlas):
+    ds = torch_dataset(atlas)
+    next(iter(ds))
+    state = ds.state_dict()
+    with pytest.raises(StateError, match="worker 0 of 2.*same num_workers"):
+        torch_dataset(atlas).load_state_dict({**state, "n_workers": 2})
+    with pytest.raises(StateError, match=r"different order.*'seed': \(1, 2\)"):
+        torch_dataset(atlas, seed=2).load_state_dict(state)
+    with Loader(atlas, sampler=ChunkShuffle(chunk_cells=40), seed=1) as loader:
+        other_sampler = loader.as_torch_dataset()
+    with pytest.raises(StateError, match="different order.*sampler"):
+        other_sampler.load_state_dict(state)
+    with pytest.raises(StateError, match="not a slafload torch dataset state"):
+        ds.load_state_dict({"epoch": 0})
