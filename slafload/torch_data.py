@@ -123,6 +123,7 @@ class SlafIterableDataset(IterableDataset[Batch]):
         epoch, cells = self._resume or self._progress
         return {
             "format": STATE_FORMAT,
+            "versions": self._settings["versions"],
             "order": order,
             "fingerprint": fingerprint(order),
             "epoch": epoch,
@@ -133,6 +134,8 @@ class SlafIterableDataset(IterableDataset[Batch]):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next iteration of this copy continue after the position in ``state``.
+
+        The dataset is re-pinned to the Lance versions recorded in the state.
 
         Raises:
             StateError: ``state`` is not a state of this dataset, or was taken with another
@@ -147,6 +150,9 @@ class SlafIterableDataset(IterableDataset[Batch]):
                 f"{state['n_workers']}, but is being loaded into worker {worker} of {n_workers}; "
                 "resume with the same num_workers (each worker's position counts its own cells)."
             )
+        versions = dict(state["versions"])
+        if versions != self._settings["versions"]:  # re-pin, as Loader.load_state_dict does
+            self._settings["versions"], self._pipeline = versions, None
         require_same_order(state, self._order())
         self._resume = (int(state["epoch"]), int(state["cells"]))
         self.epoch = self._resume[0]

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
+import lance
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from slafload.writer import CsrBlock, write_slaf
@@ -107,3 +110,29 @@ def no_thread_leak():
     for t in alive:
         t.join(timeout=2)
     assert not [t for t in alive if t.is_alive()], "producer thread left running"
+
+
+def append_cell(path, genes, values):
+    """Append one cell to every table and config.json, as a writer extending an atlas would."""
+    cells = lance.dataset(str(path / "cells.lance"))
+    n_cells, n_rows = cells.count_rows(), lance.dataset(str(path / "expression.lance")).count_rows()
+    lance.write_dataset(
+        pa.table(
+            {
+                "cell_integer_id": pa.array([n_cells] * len(genes), pa.uint32()),
+                "gene_integer_id": pa.array(genes, pa.uint16()),
+                "value": pa.array(values, pa.uint16()),
+            }
+        ),
+        str(path / "expression.lance"),
+        mode="append",
+    )
+    row = {name: [None] for name in cells.schema.names}
+    row.update(cell_id=[f"new_{n_cells}"], cell_integer_id=[n_cells], cell_start_index=[n_rows])
+    lance.write_dataset(
+        pa.table(row, schema=cells.schema), str(path / "cells.lance"), mode="append"
+    )
+    config = json.loads((path / "config.json").read_text())
+    config["n_cells"] = config["array_shape"][0] = n_cells + 1
+    config["metadata"]["expression_count"] = n_rows + len(genes)
+    (path / "config.json").write_text(json.dumps(config))

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 
-import lance
 import numpy as np
-import pyarrow as pa
 import pytest
 import torch
-from conftest import random_counts, write_dense
+from conftest import append_cell, random_counts, write_dense
 from resume_conformance import assert_resumes_exactly
 
 from slafload import Loader, StateError, open_dataset
@@ -136,32 +134,6 @@ def test_the_state_is_small_json_and_records_the_lance_versions(atlas):
     assert len(json.dumps(state)) < 1000
     assert state["dataset"]["versions"] == open_dataset(atlas).versions
     assert (state["epoch"], state["segments"]) == (0, [[1, 20]])
-
-
-def append_cell(path, genes, values):
-    """Append one cell to every table and config.json, as a writer extending an atlas would."""
-    cells = lance.dataset(str(path / "cells.lance"))
-    n_cells, n_rows = cells.count_rows(), lance.dataset(str(path / "expression.lance")).count_rows()
-    lance.write_dataset(
-        pa.table(
-            {
-                "cell_integer_id": pa.array([n_cells] * len(genes), pa.uint32()),
-                "gene_integer_id": pa.array(genes, pa.uint16()),
-                "value": pa.array(values, pa.uint16()),
-            }
-        ),
-        str(path / "expression.lance"),
-        mode="append",
-    )
-    row = {name: [None] for name in cells.schema.names}
-    row.update(cell_id=[f"new_{n_cells}"], cell_integer_id=[n_cells], cell_start_index=[n_rows])
-    lance.write_dataset(
-        pa.table(row, schema=cells.schema), str(path / "cells.lance"), mode="append"
-    )
-    config = json.loads((path / "config.json").read_text())
-    config["n_cells"] = config["array_shape"][0] = n_cells + 1
-    config["metadata"]["expression_count"] = n_rows + len(genes)
-    (path / "config.json").write_text(json.dumps(config))
 
 
 def test_an_append_mid_epoch_does_not_change_the_resumed_epoch(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_counts, write_dense
+from conftest import append_cell, random_counts, write_dense
 
 from slafload import Loader, StateError
 from slafload.samplers import BlockShuffle, ChunkShuffle
@@ -80,6 +80,21 @@ def test_stateful_dataloader_with_two_workers_resumes_exactly(atlas):
     resumed = StatefulDataLoader(torch_dataset(atlas), num_workers=2, **SPAWN)
     resumed.load_state_dict(state)
     assert_batch_for_batch_equal(head, ids(resumed), full)
+
+
+def test_resume_re_pins_the_lance_versions_of_the_state(tmp_path):
+    path = write_dense(tmp_path / "a.slaf", random_counts(50, 6, seed=1))
+    with Loader(path, batch_size=10, shuffle=False) as loader:
+        ds = loader.as_torch_dataset()
+    it = iter(ds)
+    head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(2)]
+    state = ds.state_dict()
+    append_cell(path, [1, 4], [3, 9])
+    with Loader(path, batch_size=10, shuffle=False) as loader:  # opens the newer versions
+        newer = loader.as_torch_dataset()
+    newer.load_state_dict(state)
+    rest = ids(newer)
+    np.testing.assert_array_equal(np.concatenate(head + rest), np.arange(50))
 
 
 def test_a_state_is_refused_by_another_worker_count_or_cell_order(atlas):
