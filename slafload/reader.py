@@ -37,7 +37,7 @@ T = TypeVar("T")
 _END = object()
 
 COLUMNS = ["cell_integer_id", "gene_integer_id", "value"]
-MAX_GAP_ROWS = 32_768  # gaps up to this many rows are scanned through rather than skipped
+MAX_GAP_ROWS = 1 << 17  # gaps up to this many rows are scanned through rather than skipped
 MAX_READ_AMPLIFICATION = 32  # ...unless that reads more than this many times the wanted rows
 TAKE_BELOW_ROWS = 512  # spans shorter than this on average are read by row id
 SCAN_FROM_ROWS = 1 << 16  # spans this long are scanned (take_scan is slower per row)
