@@ -110,7 +110,11 @@ class SlafIterableDataset(IterableDataset[Batch]):
         for delivery in pipeline.epoch(epoch, skip=skip, worker=worker, n_workers=n_workers):
             self._progress = (epoch, delivery.after.cells)
             yield delivery.batch
-        self._progress = (epoch + 1, 0)
+        # In-process, a finished epoch points at the next one. A worker's copy keeps pointing
+        # at its finished share: StatefulDataLoader restores an exhausted worker of an epoch
+        # still under way, and that worker must yield nothing more.
+        if get_worker_info() is None:
+            self._progress = (epoch + 1, 0)
 
     def _order(self) -> dict[str, Any]:
         s = self._settings

@@ -9,6 +9,8 @@ from conftest import append_cell, random_counts, write_dense
 from slafload import Loader, StateError
 from slafload.samplers import BlockShuffle, ChunkShuffle
 
+# torchdata 0.11 calls torch's deprecated ``set_vital``.
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 N = 230
 SPAWN = {"batch_size": None, "multiprocessing_context": "spawn"}
 
@@ -19,10 +21,16 @@ def atlas(tmp_path_factory):
     return write_dense(tmp_path_factory.mktemp("torch") / "t.slaf", dense, max_rows_per_file=301)
 
 
-def torch_dataset(atlas, seed=1):
-    sampler = BlockShuffle(block_size=4, fetch_factor=2, batch_size=12)
-    with Loader(atlas, sampler=sampler, batch_size=12, max_genes=8, seed=seed) as loader:
+def torch_dataset(atlas, seed=1, sampler=None, batch_size=12):
+    sampler = sampler or BlockShuffle(block_size=4, fetch_factor=2, batch_size=12)
+    with Loader(atlas, sampler=sampler, batch_size=batch_size, max_genes=8, seed=seed) as loader:
         return loader.as_torch_dataset()
+
+
+def uneven_dataset(atlas):
+    """Six parts of 40 cells but one of 30; with seed 3 the short one falls to worker 0 of 2,
+    which gets 11 batches of 10 against worker 1's 12: worker 0 runs out first."""
+    return torch_dataset(atlas, seed=3, sampler=ChunkShuffle(chunk_cells=40), batch_size=10)
 
 
 def ids(batches) -> list[np.ndarray]:
@@ -63,23 +71,36 @@ def test_the_state_after_a_whole_epoch_points_at_the_next_one(atlas):
     assert not np.array_equal(first, second)
 
 
-# torchdata 0.11 calls torch's deprecated ``set_vital`` on import.
-@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
-def test_stateful_dataloader_with_two_workers_resumes_exactly(atlas):
+@pytest.fixture(scope="module")
+def stateful_dataloader():
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    full = ids(StatefulDataLoader(torch_dataset(atlas), num_workers=2, **SPAWN))
-    np.testing.assert_array_equal(np.sort(np.concatenate(full)), np.arange(N))
+    return StatefulDataLoader
 
-    loader = StatefulDataLoader(torch_dataset(atlas), num_workers=2, **SPAWN)
+
+@pytest.fixture(scope="module")
+def two_workers_full(atlas, stateful_dataloader):
+    full = ids(stateful_dataloader(uneven_dataset(atlas), num_workers=2, **SPAWN))
+    np.testing.assert_array_equal(np.sort(np.concatenate(full)), np.arange(N))
+    assert len(full) == 23
+    return full
+
+
+# 7: mid-epoch, the workers have prefetched ahead; 22: each worker has yielded 11 batches;
+# 23: worker 0 has run out (the loader has seen its end) while worker 1 has not.
+@pytest.mark.parametrize("stop_after", [7, 22, 23])
+def test_stateful_dataloader_with_two_workers_resumes_exactly(
+    atlas, stateful_dataloader, two_workers_full, stop_after
+):
+    loader = stateful_dataloader(uneven_dataset(atlas), num_workers=2, **SPAWN)
     it = iter(loader)
-    head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(7)]
-    state = loader.state_dict()  # the workers have prefetched beyond these 7 batches
+    head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(stop_after)]
+    state = loader.state_dict()
     del it, loader
 
-    resumed = StatefulDataLoader(torch_dataset(atlas), num_workers=2, **SPAWN)
+    resumed = stateful_dataloader(uneven_dataset(atlas), num_workers=2, **SPAWN)
     resumed.load_state_dict(state)
-    assert_batch_for_batch_equal(head, ids(resumed), full)
+    assert_batch_for_batch_equal(head, ids(resumed), two_workers_full)
 
 
 def test_resume_re_pins_the_lance_versions_of_the_state(tmp_path):
