@@ -83,8 +83,9 @@ class LoaderConfig:
         queue_depth: Batches the producer may run ahead of the consumer.
         read_batch_rows: Rows per Arrow record batch requested from Lance.
         read_ahead: Fetches whose reads are started before the current one is computed, so
-            Lance decodes them on its own threads meanwhile; each holds one fetch of Arrow
-            data in memory. ``0`` reads each fetch only when it is needed.
+            Lance decodes them on its own threads meanwhile. Each holds the Arrow data of its
+            fetch's coalesced spans (the wanted rows plus any short gaps read through) until
+            its turn. ``0`` reads each fetch only when it is needed.
         retry: Retries of a fetch after a transient storage failure.
     """
 

@@ -181,16 +181,28 @@ class Pipeline:
         # Read-ahead: the next fetches are started before this one is computed, so Lance decodes
         # them on its own threads meanwhile (scattered block reads cost about as much as the
         # compute; see docs/sampling.md).
+        # A failure to plan a later part is raised only when that part's turn comes, after
+        # every batch of the fetches before it.
         parts = iter(parts)
         ahead: deque[tuple[Part, PendingRead]] = deque()
+        failure: list[Exception] = []
 
         def start_until(n: int) -> None:
-            while len(ahead) < n and (part := next(parts, None)) is not None:
+            while not failure and len(ahead) < n:
+                try:
+                    part = next(parts, None)
+                except Exception as exc:
+                    failure.append(exc)
+                    return
+                if part is None:
+                    return
                 ahead.append((part, reader.start(part.fetch)))
 
         while True:
             start_until(1)
             if not ahead:
+                if failure:
+                    raise failure[0]
                 return
             part, pending = ahead.popleft()
             batches = pending.result()

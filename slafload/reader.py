@@ -13,8 +13,10 @@ read depends on their shape (numbers from ``benchmarks/read_paths.py`` and docs/
   wanted rows are zero-copy slices of the spans.
 
 Every Lance stream of a fetch is opened and started (its first batch pulled) before the first
-batch is handed on, so Lance decodes the whole fetch on its own threads; a caller that takes the
-first batch early (``RetryingReader.start``) overlaps the read with other work.
+batch is handed on, so Lance decodes the rest of each stream on its own threads; a caller that
+takes the first batch early (``RetryingReader.start``) overlaps that part of the read with other
+work. A stream's first batch is read synchronously, as is a ``take`` of tiny spans, so a fetch
+that fits one Arrow batch is read whole by then.
 """
 
 from __future__ import annotations

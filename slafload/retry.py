@@ -155,5 +155,8 @@ class PendingRead:
     first_attempt: Iterator[pa.RecordBatch]
 
     def result(self) -> Iterator[pa.RecordBatch]:
-        """All record batches of the fetch, retrying as :meth:`RetryingReader.read` does."""
+        """All record batches of the fetch, retrying as :meth:`RetryingReader.read` does.
+
+        Call it once: the first attempt's stream is consumed by the first call.
+        """
         return iter(self.reader._complete(self.fetch, self.first_attempt))

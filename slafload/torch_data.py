@@ -31,7 +31,7 @@ from slafload.checkpoint import cell_order, fingerprint, require_same_order
 from slafload.config import LoaderConfig
 from slafload.dataset import open_dataset
 from slafload.errors import StateError
-from slafload.pipeline import Batch, ChunkTransform, Pipeline
+from slafload.pipeline import Batch, ChunkTransform, Delivery, Pipeline
 from slafload.samplers import Sampler
 from slafload.tokenizers import Tokenizer
 
@@ -76,49 +76,62 @@ class SlafIterableDataset(IterableDataset[Batch]):
         self._pipeline: Pipeline | None = None  # opened lazily, in the process that iterates
 
     def set_epoch(self, epoch: int) -> None:
-        """Iterate epoch ``epoch`` next (call before each epoch when using workers)."""
+        """Iterate epoch ``epoch`` next (call before each epoch when using workers).
+
+        A position loaded by :meth:`load_state_dict` in that same epoch is kept.
+        """
         self.epoch = int(epoch)
-        self._progress = (self.epoch, 0)
+        if self._resume is not None and self._resume[0] != self.epoch:
+            self._resume = None
+        self._progress = self._resume or (self.epoch, 0)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_pipeline": None}
 
     def _open(self) -> Pipeline:
         if self._pipeline is None:
-            s = self._settings
-            ds = open_dataset(s["uri"], version=s["versions"], storage_options=s["storage_options"])
-            obs = {name: ds.obs_codes(name)[0] for name in s["obs_columns"]}
-            self._pipeline = Pipeline(
-                ds,
-                s["sampler"],
-                s["tokenizer"],
-                s["config"],
-                rank=s["rank"],
-                world_size=s["world_size"],
-                transforms=s["transforms"],
-                obs=obs,
-            )
+            self._pipeline = self._pipeline_at(self._settings["versions"])
         return self._pipeline
 
+    def _pipeline_at(self, versions: Mapping[str, int]) -> Pipeline:
+        s = self._settings
+        ds = open_dataset(s["uri"], version=dict(versions), storage_options=s["storage_options"])
+        obs = {name: ds.obs_codes(name)[0] for name in s["obs_columns"]}
+        return Pipeline(
+            ds,
+            s["sampler"],
+            s["tokenizer"],
+            s["config"],
+            rank=s["rank"],
+            world_size=s["world_size"],
+            transforms=s["transforms"],
+            obs=obs,
+        )
+
     def __iter__(self) -> Iterator[Batch]:
+        # Not a generator itself: the position moves to the new epoch as soon as iteration
+        # starts, so a state taken before this copy's first batch already points there.
         worker, n_workers = _worker()
         pipeline = self._open()
         epoch, skip = self._resume or (self.epoch, 0)
         self._resume = None
         self.epoch = epoch + 1  # in-process and persistent workers advance by themselves
         self._progress = (epoch, skip)
-        for delivery in pipeline.epoch(epoch, skip=skip, worker=worker, n_workers=n_workers):
-            self._progress = (epoch, delivery.after.cells)
+        return self._batches(pipeline.epoch(epoch, skip=skip, worker=worker, n_workers=n_workers))
+
+    def _batches(self, deliveries: Iterator[Delivery]) -> Iterator[Batch]:
+        for delivery in deliveries:
+            self._progress = (delivery.after.epoch, delivery.after.cells)
             yield delivery.batch
         # In-process, a finished epoch points at the next one. A worker's copy keeps pointing
         # at its finished share: StatefulDataLoader restores an exhausted worker of an epoch
         # still under way, and that worker must yield nothing more.
         if get_worker_info() is None:
-            self._progress = (epoch + 1, 0)
+            self._progress = (self.epoch, 0)
 
-    def _order(self) -> dict[str, Any]:
-        s = self._settings
-        return cell_order(s["sampler"], s["config"].seed, self._open().dataset.n_cells)
+    def _order(self, pipeline: Pipeline | None = None) -> dict[str, Any]:
+        s, pipeline = self._settings, pipeline or self._open()
+        return cell_order(s["sampler"], s["config"].seed, pipeline.dataset.n_cells)
 
     def state_dict(self) -> dict[str, Any]:
         """This copy's position: the epoch under way and the cells it has yielded in it."""
@@ -132,6 +145,8 @@ class SlafIterableDataset(IterableDataset[Batch]):
             "fingerprint": fingerprint(order),
             "epoch": epoch,
             "cells": cells,
+            "rank": self._settings["rank"],
+            "world_size": self._settings["world_size"],
             "worker": worker,
             "n_workers": n_workers,
         }
@@ -139,25 +154,39 @@ class SlafIterableDataset(IterableDataset[Batch]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next iteration of this copy continue after the position in ``state``.
 
-        The dataset is re-pinned to the Lance versions recorded in the state.
+        The dataset is re-pinned to the Lance versions recorded in the state. Nothing changes
+        if the state is refused.
 
         Raises:
-            StateError: ``state`` is not a state of this dataset, or was taken with another
-                number of DataLoader workers or settings that order the cells differently.
+            StateError: ``state`` is not a state of this dataset; was taken on another rank,
+                world size or number of DataLoader workers (elastic resume is a
+                :class:`~slafload.Loader` feature); was taken with settings that order the
+                cells differently; or its Lance versions cannot be opened.
         """
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise StateError(f"not a slafload torch dataset state (expected {STATE_FORMAT!r})")
+        s = self._settings
         worker, n_workers = _worker()
-        if (state["worker"], state["n_workers"]) != (worker, n_workers):
+        theirs = (state["rank"], state["world_size"], state["worker"], state["n_workers"])
+        ours = (s["rank"], s["world_size"], worker, n_workers)
+        if theirs != ours:
             raise StateError(
-                f"the state was taken by DataLoader worker {state['worker']} of "
-                f"{state['n_workers']}, but is being loaded into worker {worker} of {n_workers}; "
-                "resume with the same num_workers (each worker's position counts its own cells)."
+                "the state was taken by rank {} of {}, DataLoader worker {} of {}, but is being "
+                "loaded into rank {} of {}, worker {} of {}; resume with the same ranks and "
+                "num_workers (each worker's position counts its own cells), or use "
+                "slafload.Loader for elastic resume.".format(*theirs, *ours)
             )
         versions = dict(state["versions"])
-        if versions != self._settings["versions"]:  # re-pin, as Loader.load_state_dict does
-            self._settings["versions"], self._pipeline = versions, None
-        require_same_order(state, self._order())
+        pipeline = self._open() if versions == s["versions"] else None
+        if pipeline is None:  # re-pin, as Loader.load_state_dict does
+            try:
+                pipeline = self._pipeline_at(versions)
+            except Exception as exc:
+                raise StateError(
+                    f"cannot reopen {s['uri']!r} at the checkpoint's versions {versions}: {exc}"
+                ) from exc
+        require_same_order(state, self._order(pipeline))
+        s["versions"], self._pipeline = versions, pipeline
         self._resume = (int(state["epoch"]), int(state["cells"]))
         self.epoch = self._resume[0]
 

@@ -14,6 +14,7 @@ from slafload.pipeline import Pipeline
 from slafload.reader import Reader
 from slafload.retry import RetryingReader
 from slafload.samplers import BlockShuffle, ChunkShuffle, Streaming
+from slafload.shard import RankStream
 from slafload.tokenizers import Geneformer
 
 
@@ -103,3 +104,23 @@ def test_a_failed_read_ahead_is_retried_when_its_turn_comes(small_slaf, monkeypa
 def test_read_ahead_is_validated(bad):
     with pytest.raises(ValueError, match=r"read_ahead must be an integer in \[0, 8\]"):
         LoaderConfig(read_ahead=bad)
+
+
+def test_a_failure_to_plan_a_later_fetch_comes_after_the_earlier_fetches(small_slaf, monkeypatch):
+    part = RankStream.part
+
+    def failing_part(self, j, rank):
+        if j == 2:
+            raise RuntimeError("planning fetch 2 failed")
+        return part(self, j, rank)
+
+    monkeypatch.setattr(RankStream, "part", failing_part)
+    ds = open_dataset(small_slaf)
+    config = LoaderConfig(chunk_cells=32, read_ahead=2)
+    pipeline = Pipeline(ds, Streaming(chunk_cells=32), Geneformer(max_genes=8), config)
+    reader = RetryingReader(Reader(ds), config.retry)
+    got = []
+    with pytest.raises(RuntimeError, match="planning fetch 2 failed"):
+        for piece in pipeline.pieces(pipeline.stream(0).parts(0, 0, 1), reader):
+            got.append(piece.fetch_index)
+    assert got == [0, 1]

@@ -103,6 +103,43 @@ def test_stateful_dataloader_with_two_workers_resumes_exactly(
     assert_batch_for_batch_equal(head, ids(resumed), two_workers_full)
 
 
+def test_persistent_workers_resume_exactly_across_epochs(atlas, stateful_dataloader):
+    settings = {"num_workers": 2, "persistent_workers": True, **SPAWN}
+    loader = stateful_dataloader(uneven_dataset(atlas), **settings)
+    full = [ids(loader) for _ in range(3)]
+    for epoch in full:
+        np.testing.assert_array_equal(np.sort(np.concatenate(epoch)), np.arange(N))
+    assert not np.array_equal(np.concatenate(full[0]), np.concatenate(full[1]))
+
+    loader = stateful_dataloader(uneven_dataset(atlas), **settings)
+    assert_batch_for_batch_equal(ids(loader), [], full[0])
+    it = iter(loader)
+    head = [next(it)["cell_integer_id"].numpy().copy()]  # worker 1 has not yielded in epoch 1
+    state = loader.state_dict()
+    del it, loader
+
+    resumed = stateful_dataloader(uneven_dataset(atlas), **settings)
+    resumed.load_state_dict(state)
+    assert_batch_for_batch_equal(head, ids(resumed), full[1])
+    assert_batch_for_batch_equal(ids(resumed), [], full[2])
+
+
+def test_set_epoch_keeps_a_loaded_position_in_that_epoch_only(atlas):
+    ds = torch_dataset(atlas)
+    it = iter(ds)
+    head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(3)]
+    state = ds.state_dict()
+    resumed = torch_dataset(atlas)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)  # as a training loop does at the top of every epoch
+    assert_batch_for_batch_equal(head, ids(resumed), ids(torch_dataset(atlas)))
+    other = torch_dataset(atlas)
+    other.load_state_dict(state)
+    other.set_epoch(1)  # another epoch was asked for: the loaded position is dropped
+    assert other.state_dict()["cells"] == 0
+    np.testing.assert_array_equal(np.sort(np.concatenate(ids(other))), np.arange(N))
+
+
 def test_resume_re_pins_the_lance_versions_of_the_state(tmp_path):
     path = write_dense(tmp_path / "a.slaf", random_counts(50, 6, seed=1))
     with Loader(path, batch_size=10, shuffle=False) as loader:
@@ -117,13 +154,21 @@ def test_resume_re_pins_the_lance_versions_of_the_state(tmp_path):
     rest = ids(newer)
     np.testing.assert_array_equal(np.concatenate(head + rest), np.arange(50))
 
+    missing = {**state, "versions": {k: v + 50 for k, v in state["versions"].items()}}
+    with pytest.raises(StateError, match="cannot reopen .* at the checkpoint's versions"):
+        newer.load_state_dict(missing)
+    assert newer.state_dict()["versions"] == state["versions"]  # a refused state changes nothing
+    assert sum(len(b) for b in ids(newer)) == 50  # next epoch, still at the state's versions
+
 
 def test_a_state_is_refused_by_another_worker_count_or_cell_order(atlas):
     ds = torch_dataset(atlas)
     next(iter(ds))
     state = ds.state_dict()
-    with pytest.raises(StateError, match="worker 0 of 2.*same num_workers"):
+    with pytest.raises(StateError, match="worker 0 of 2.*worker 0 of 1; resume with the same"):
         torch_dataset(atlas).load_state_dict({**state, "n_workers": 2})
+    with pytest.raises(StateError, match="rank 0 of 2.*rank 0 of 1.*elastic resume"):
+        torch_dataset(atlas).load_state_dict({**state, "world_size": 2})
     with pytest.raises(StateError, match=r"different order.*'seed': \(1, 2\)"):
         torch_dataset(atlas, seed=2).load_state_dict(state)
     with Loader(atlas, sampler=ChunkShuffle(chunk_cells=40), seed=1) as loader:
