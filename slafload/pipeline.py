@@ -185,14 +185,15 @@ class Pipeline:
         # every batch of the fetches before it.
         parts = iter(parts)
         ahead: deque[tuple[Part, PendingRead]] = deque()
-        failure: list[Exception] = []
+        failure: Exception | None = None
 
         def start_until(n: int) -> None:
-            while not failure and len(ahead) < n:
+            nonlocal failure
+            while failure is None and len(ahead) < n:
                 try:
                     part = next(parts, None)
                 except Exception as exc:
-                    failure.append(exc)
+                    failure = exc
                     return
                 if part is None:
                     return
@@ -201,8 +202,8 @@ class Pipeline:
         while True:
             start_until(1)
             if not ahead:
-                if failure:
-                    raise failure[0]
+                if failure is not None:
+                    raise failure
                 return
             part, pending = ahead.popleft()
             batches = pending.result()
