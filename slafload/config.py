@@ -74,7 +74,9 @@ class LoaderConfig:
         batch_size: Cells per training batch.
         max_genes: Sequence budget passed to named tokenizers.
         seed: Seed of every random choice (plans and in-chunk shuffles).
-        n_epochs: Epochs per ``iter(loader)``; ``None`` iterates forever.
+        n_epochs: Epochs of the whole run, counted from epoch 0 (``None``: endless). A loader
+            resumed in epoch ``e`` stops after epoch ``n_epochs - 1``, like the run it
+            replaces; once the run is complete, iterating yields nothing.
         shuffle: With no explicit sampler: ``True`` uses :class:`ChunkShuffle`, ``False``
             :class:`Streaming`.
         drop_last: Drop each epoch's short last batch.

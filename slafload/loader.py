@@ -1,9 +1,11 @@
 """Stage 9: the loader, the only place that knows epochs, positions and devices.
 
 ``Loader`` wires the stages together (dataset -> sampler -> reader -> chunk -> shuffle ->
-rank -> tokenize -> batch -> prefetch) and hands out dicts of torch tensors. Each
-``iter(loader)`` runs ``n_epochs`` epochs (``None``: forever) starting where the consumer
-stopped: the position is updated only when a batch is *handed to the consumer*, so batches
+rank -> tokenize -> batch -> prefetch) and hands out dicts of torch tensors. ``n_epochs``
+counts the epochs of the whole run (``None``: endless): each ``iter(loader)`` continues where
+the consumer stopped and ends with epoch ``n_epochs - 1``, so a loader resumed from a
+checkpoint delivers exactly what the uninterrupted run had left, and iterating a loader whose
+run is complete yields nothing. The position is updated only when a batch is *handed to the consumer*, so batches
 the producer had prefetched are produced again after ``close()`` or a break, never lost.
 """
 
@@ -24,7 +26,7 @@ from slafload.distributed import resolve_rank
 from slafload.errors import StateError
 from slafload.pipeline import Batch, ChunkTransform, Delivery, Pipeline, Position
 from slafload.prefetcher import Prefetcher
-from slafload.samplers import ChunkShuffle, Sampler, Streaming
+from slafload.samplers import ChunkShuffle, Sampler, Streaming, bind_batch_size
 from slafload.shard import Segment
 from slafload.tokenizers import Tokenizer, make_tokenizer
 from slafload.torch_data import SlafIterableDataset
@@ -92,16 +94,8 @@ class Loader:
                 f"sampler must implement plan(n_cells, *, seed, epoch), got "
                 f"{type(sampler).__name__}"
             )
-        self.sampler = sampler
-        planned = getattr(sampler, "batch_size", None)
-        if planned is not None and planned != self.config.batch_size:
-            logger.warning(
-                "the sampler plans fetches for batch_size=%s but the loader uses "
-                "batch_size=%s; pass the same value to both so each fetch holds "
-                "fetch_factor whole minibatches",
-                planned,
-                self.config.batch_size,
-            )
+        # Fetch factors count minibatches: the sampler plans for the loader's batch size.
+        self.sampler = bind_batch_size(sampler, self.config.batch_size)
         self.device = torch.device(device) if device is not None else None
         cuda = self.device is not None and self.device.type == "cuda"
         self.pin_memory = cuda if pin_memory is None else pin_memory

@@ -80,7 +80,13 @@ class Pipeline:
         n_workers: int = 1,
         stop: threading.Event | None = None,
     ) -> Iterator[Delivery]:
-        """Deliver ``config.n_epochs`` epochs (or forever) starting at ``start``.
+        """Deliver the rest of the run from ``start``: up to the end of epoch
+        ``config.n_epochs - 1`` (or forever when ``n_epochs`` is ``None``).
+
+        ``n_epochs`` counts the epochs of the whole run, not of this call: a run resumed in
+        epoch ``e`` delivers the rest of ``e`` and the epochs after it up to the last, so the
+        batches before and after a checkpoint add up to the uninterrupted run. A run already
+        complete delivers nothing.
 
         With ``n_workers > 1`` (DataLoader workers) this worker takes every ``n_workers``-th
         part of the rank's stream; positions are then only meaningful per worker. A set
@@ -90,7 +96,7 @@ class Pipeline:
         epochs = (
             itertools.count(start.epoch)
             if cfg.n_epochs is None
-            else range(start.epoch, start.epoch + cfg.n_epochs)
+            else range(start.epoch, cfg.n_epochs)
         )
         position = start
         for epoch in epochs:

@@ -10,7 +10,8 @@ Each worker process reopens the dataset at the loader's pinned Lance versions. E
 advances the epoch counter of the object iterated: in-process, and in persistent workers
 (``persistent_workers=True``), epochs therefore advance by themselves. Non-persistent workers
 iterate fresh copies each epoch, so, as with ``DistributedSampler``, call ``set_epoch(e)``
-before each epoch; it is harmless in the other cases.
+before each epoch; it is harmless in the other cases. As with the loader, ``n_epochs`` counts
+the epochs of the whole run: iterating epoch ``n_epochs`` or later yields nothing.
 
 Resume: the dataset has torchdata's ``state_dict``/``load_state_dict``. Under
 ``torchdata.stateful_dataloader.StatefulDataLoader`` every worker's copy reports, with each
@@ -115,6 +116,10 @@ class SlafIterableDataset(IterableDataset[Batch]):
         pipeline = self._open()
         epoch, skip = self._resume or (self.epoch, 0)
         self._resume = None
+        n_epochs = self._settings["config"].n_epochs
+        if n_epochs is not None and epoch >= n_epochs:  # the run is complete
+            self._progress = (epoch, 0)
+            return iter(())
         self.epoch = epoch + 1  # in-process and persistent workers advance by themselves
         self._progress = (epoch, skip)
         return self._batches(pipeline.epoch(epoch, skip=skip, worker=worker, n_workers=n_workers))

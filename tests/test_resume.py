@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import append_cell, random_counts, write_dense
-from resume_conformance import assert_resumes_exactly
+from resume_conformance import assert_resumes_exactly, assert_torch_dataset_resumes_exactly
 
 from slafload import Loader, StateError, open_dataset
 from slafload.samplers import (
@@ -28,15 +28,15 @@ LABELS = np.arange(N) // 60
 SAMPLERS = {  # every sampler slafload ships, at small sizes
     "streaming": lambda: Streaming(chunk_cells=40),
     "chunk_shuffle": lambda: ChunkShuffle(chunk_cells=40),
-    "block_shuffle": lambda: BlockShuffle(block_size=4, fetch_factor=3, batch_size=9),
-    "random": lambda: BlockShuffle(block_size=1, fetch_factor=2, batch_size=9),
+    "block_shuffle": lambda: BlockShuffle(block_size=4, fetch_factor=3),
+    "random": lambda: BlockShuffle(block_size=1, fetch_factor=2),
     "weighted_replacement": lambda: Weighted(
-        WEIGHTS, replacement=True, block_size=2, fetch_factor=2, batch_size=9
+        WEIGHTS, replacement=True, block_size=2, fetch_factor=2
     ),
     "weighted_no_replacement": lambda: Weighted(
-        WEIGHTS, replacement=False, block_size=3, fetch_factor=2, batch_size=9
+        WEIGHTS, replacement=False, block_size=3, fetch_factor=2
     ),
-    "class_balanced": lambda: ClassBalanced(LABELS, block_size=2, fetch_factor=2, batch_size=9),
+    "class_balanced": lambda: ClassBalanced(LABELS, block_size=2, fetch_factor=2),
     "subset": lambda: Subset(ChunkShuffle(chunk_cells=25), np.arange(0, N, 3)),
 }
 
@@ -63,6 +63,33 @@ def test_resume_at_random_midpoints_equals_an_uninterrupted_run(atlas, sampler, 
         ),
         midpoints=20,
     )
+
+
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
+def test_the_dataset_face_resumed_adds_up_to_the_uninterrupted_run(atlas, sampler):
+    ds = open_dataset(atlas)
+
+    def make():
+        with Loader(ds, sampler=SAMPLERS[sampler](), batch_size=9, max_genes=8, n_epochs=2) as ld:
+            return ld.as_torch_dataset()
+
+    assert_torch_dataset_resumes_exactly(make, n_epochs=2, midpoints=8)
+
+
+def test_a_resumed_run_stops_where_the_uninterrupted_run_stops(atlas):
+    """The reported case: n_epochs=2, a checkpoint in epoch 1; no extra epoch after it."""
+    with Loader(atlas, batch_size=10, n_epochs=2, chunk_cells=40) as loader:
+        n_full = sum(1 for _ in loader)
+    with Loader(atlas, batch_size=10, n_epochs=2, chunk_cells=40) as loader:
+        it = iter(loader)
+        before = [next(it) for _ in range(n_full // 2 + 3)]
+        state = loader.state_dict()
+    assert state["epoch"] == 1
+    with Loader(atlas, batch_size=10, n_epochs=2, chunk_cells=40) as resumed:
+        resumed.load_state_dict(state)
+        after = sum(1 for _ in resumed)
+        assert sum(1 for _ in resumed) == 0  # the run is complete: nothing more
+    assert len(before) + after == n_full
 
 
 def test_resume_works_under_two_ranks(atlas):
@@ -154,7 +181,7 @@ def test_an_append_mid_epoch_does_not_change_the_resumed_epoch(tmp_path):
 
 
 def test_a_dataloader_with_two_workers_sees_each_cell_once_and_epochs_differ(atlas):
-    with Loader(atlas, batch_size=16, chunk_cells=30, max_genes=8) as loader:
+    with Loader(atlas, batch_size=16, chunk_cells=30, max_genes=8, n_epochs=2) as loader:
         ds = loader.as_torch_dataset()
     dl = torch.utils.data.DataLoader(
         ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"
@@ -169,7 +196,7 @@ def test_a_dataloader_with_two_workers_sees_each_cell_once_and_epochs_differ(atl
 
 
 def test_the_torch_dataset_advances_epochs_by_itself_in_process(atlas):
-    with Loader(atlas, batch_size=50, chunk_cells=30) as loader:
+    with Loader(atlas, batch_size=50, chunk_cells=30, n_epochs=2) as loader:
         ds = loader.as_torch_dataset()
     first = np.concatenate([b["cell_integer_id"].numpy() for b in ds])
     second = np.concatenate([b["cell_integer_id"].numpy() for b in ds])

@@ -9,7 +9,7 @@ import pytest
 from conftest import random_counts, write_dense
 
 from slafload import Loader
-from slafload.samplers import BlockShuffle, Sampler
+from slafload.samplers import BlockShuffle, Sampler, Subset, Weighted
 
 
 def plan_cells(plan) -> np.ndarray:
@@ -80,7 +80,7 @@ def test_arguments_are_validated(kwargs):
 def test_the_loader_delivers_every_cell_once_per_epoch_with_block_shuffle(tmp_path):
     dense = random_counts(500, 30, seed=4, empty_every=23)
     path = write_dense(tmp_path / "d.slaf", dense, max_rows_per_file=211)
-    sampler = BlockShuffle(block_size=3, fetch_factor=4, batch_size=16)
+    sampler = BlockShuffle(block_size=3, fetch_factor=4)  # the loader gives the batch size
     with Loader(path, sampler=sampler, batch_size=16, max_genes=8, n_epochs=2, seed=9) as loader:
         batches = list(loader)
     cells = np.concatenate([b["cell_integer_id"].numpy() for b in batches])
@@ -97,3 +97,35 @@ def test_the_loader_delivers_every_cell_once_per_epoch_with_block_shuffle(tmp_pa
 def test_fetch_sizes_match_the_fetches_without_building_them(n_cells):
     plan = BlockShuffle(block_size=7, fetch_factor=3, batch_size=5).plan(n_cells, seed=2, epoch=1)
     np.testing.assert_array_equal(plan.fetch_sizes(), [f.n_cells for f in plan])
+
+
+def test_the_loader_tells_a_block_sampler_its_batch_size(tmp_path):
+    path = write_dense(tmp_path / "b.slaf", random_counts(200, 10, seed=1))
+    with Loader(path, sampler=BlockShuffle(block_size=4, fetch_factor=2), batch_size=8) as ld:
+        assert ld.sampler.batch_size == 8 and ld.sampler.blocks_per_fetch == 4
+        sizes = ld.sampler.plan(200, seed=0, epoch=0).fetch_sizes()
+        assert sizes.max() == 2 * 8  # a fetch holds fetch_factor minibatches of the loader's
+        assert len(ld.as_torch_dataset()) == 25
+    same = BlockShuffle(block_size=4, fetch_factor=2, batch_size=8)
+    with Loader(path, sampler=same, batch_size=8) as ld:
+        assert ld.sampler == same
+    subset = Subset(BlockShuffle(block_size=4, fetch_factor=2), np.arange(0, 200, 2))
+    with Loader(path, sampler=subset, batch_size=5) as ld:
+        assert ld.sampler.sampler.batch_size == 5
+        assert sum(len(b["cell_integer_id"]) for b in ld) == 100
+
+
+def test_a_second_different_batch_size_is_an_error_not_a_warning(tmp_path):
+    path = write_dense(tmp_path / "b.slaf", random_counts(50, 10, seed=1))
+    with pytest.raises(ValueError, match="batch_size=32 but the loader uses batch_size=8"):
+        Loader(
+            path, sampler=BlockShuffle(block_size=4, fetch_factor=2, batch_size=32), batch_size=8
+        )
+    with pytest.raises(ValueError, match="batch_size=32 but the loader uses batch_size=8"):
+        Loader(path, sampler=Weighted(np.ones(50), batch_size=32), batch_size=8)
+
+
+def test_planning_without_a_loader_needs_the_batch_size():
+    with pytest.raises(ValueError, match=r"pass it to slafload.Loader\(batch_size=...\)"):
+        BlockShuffle(block_size=4, fetch_factor=2).plan(100, seed=0, epoch=0)
+    assert len(BlockShuffle(block_size=4, fetch_factor=2, batch_size=8).plan(100, seed=0, epoch=0))

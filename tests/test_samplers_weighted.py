@@ -34,7 +34,7 @@ def test_without_replacement_every_positive_weight_cell_appears_exactly_once(blo
 def test_without_replacement_heavier_cells_tend_to_come_first():
     weights = np.ones(1000)
     weights[:100] = 50
-    firsts = [plan_cells(Weighted(weights, replacement=False).plan(1000, seed=s, epoch=0))[:100]
+    firsts = [plan_cells(Weighted(weights, replacement=False, batch_size=32).plan(1000, seed=s, epoch=0))[:100]
               for s in range(5)]  # fmt: skip
     assert np.mean([(f < 100).mean() for f in firsts]) > 0.6  # uniform order would give 0.1
 
@@ -43,12 +43,14 @@ def test_without_replacement_heavier_cells_tend_to_come_first():
 def test_with_replacement_an_epoch_is_n_draws_cells_in_proportion_to_weight(block_size):
     n = 800
     weights = np.where(np.arange(n) < 400, 3.0, 1.0)  # constant within blocks
-    sampler = Weighted(weights, block_size=block_size, n_draws=20_000, fetch_factor=4)
+    sampler = Weighted(
+        weights, block_size=block_size, n_draws=20_000, fetch_factor=4, batch_size=32
+    )
     plan = sampler.plan(n, seed=1, epoch=0)
     cells = plan_cells(plan)
     assert len(cells) == plan.n_cells == 20_000
     assert abs((cells < 400).mean() - 0.75) < 0.03
-    default = Weighted(weights, block_size=block_size).plan(n, seed=1, epoch=0)
+    default = Weighted(weights, block_size=block_size, batch_size=32).plan(n, seed=1, epoch=0)
     assert default.n_cells == n  # default epoch: as many draws as cells
     assert len(np.unique(plan_cells(default))) < n  # some cells repeat, others are missed
 
@@ -79,7 +81,7 @@ def test_fetches_read_sorted_block_ranges_and_shuffle_in_memory():
 
 def test_class_balanced_draws_every_class_equally_often():
     labels = np.repeat([0, 1, 2], [900, 90, 10])
-    plan = ClassBalanced(labels, n_draws=30_000).plan(1000, seed=0, epoch=0)
+    plan = ClassBalanced(labels, n_draws=30_000, batch_size=32).plan(1000, seed=0, epoch=0)
     freq = np.bincount(labels[plan_cells(plan)], minlength=3) / 30_000
     np.testing.assert_allclose(freq, 1 / 3, atol=0.02)
 
@@ -88,13 +90,13 @@ def test_weights_from_categories_and_class_balance_from_obs(tmp_path):
     dense = random_counts(90, 8, seed=5)
     cell_type = np.repeat(["B", "T", "NK"], [60, 20, 10])
     ds = open_dataset(write_dense(tmp_path / "w.slaf", dense, obs={"ct": pa.array(cell_type)}))
-    only_t = Weighted.from_categories(ds, "ct", {"T": 1.0}, replacement=False)
+    only_t = Weighted.from_categories(ds, "ct", {"T": 1.0}, replacement=False, batch_size=32)
     np.testing.assert_array_equal(
         np.sort(plan_cells(only_t.plan(90, seed=0, epoch=0))), np.flatnonzero(cell_type == "T")
     )
     with pytest.raises(ValueError, match="does not have"):
         Weighted.from_categories(ds, "ct", {"X": 1.0})
-    balanced = ClassBalanced.from_obs(ds, "ct", n_draws=3000, batch_size=30)
+    balanced = ClassBalanced.from_obs(ds, "ct", n_draws=3000)
     with Loader(ds, sampler=balanced, batch_size=30, max_genes=4, obs_columns=["ct"]) as loader:
         codes = np.concatenate([b["ct"].numpy() for b in loader])
     assert len(codes) == 3000

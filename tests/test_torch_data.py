@@ -22,8 +22,10 @@ def atlas(tmp_path_factory):
 
 
 def torch_dataset(atlas, seed=1, sampler=None, batch_size=12):
-    sampler = sampler or BlockShuffle(block_size=4, fetch_factor=2, batch_size=12)
-    with Loader(atlas, sampler=sampler, batch_size=batch_size, max_genes=8, seed=seed) as loader:
+    sampler = sampler or BlockShuffle(block_size=4, fetch_factor=2)
+    with Loader(
+        atlas, sampler=sampler, batch_size=batch_size, max_genes=8, seed=seed, n_epochs=None
+    ) as loader:
         return loader.as_torch_dataset()
 
 
@@ -142,13 +144,15 @@ def test_set_epoch_keeps_a_loaded_position_in_that_epoch_only(atlas):
 
 def test_resume_re_pins_the_lance_versions_of_the_state(tmp_path):
     path = write_dense(tmp_path / "a.slaf", random_counts(50, 6, seed=1))
-    with Loader(path, batch_size=10, shuffle=False) as loader:
+    with Loader(path, batch_size=10, shuffle=False, n_epochs=None) as loader:
         ds = loader.as_torch_dataset()
     it = iter(ds)
     head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(2)]
     state = ds.state_dict()
     append_cell(path, [1, 4], [3, 9])
-    with Loader(path, batch_size=10, shuffle=False) as loader:  # opens the newer versions
+    with Loader(
+        path, batch_size=10, shuffle=False, n_epochs=None
+    ) as loader:  # opens the newer versions
         newer = loader.as_torch_dataset()
     newer.load_state_dict(state)
     rest = ids(newer)

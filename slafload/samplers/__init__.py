@@ -1,6 +1,6 @@
 """Stage 2: samplers decide which cells are read, in which order, for each epoch."""
 
-from slafload.samplers.base import Fetch, Plan, Sampler, derive_seed
+from slafload.samplers.base import Fetch, Plan, Sampler, bind_batch_size, derive_seed
 from slafload.samplers.block import BlockShuffle
 from slafload.samplers.feistel import FeistelPermutation
 from slafload.samplers.sequential import ChunkShuffle, Streaming
@@ -18,5 +18,6 @@ __all__ = [
     "Streaming",
     "Subset",
     "Weighted",
+    "bind_batch_size",
     "derive_seed",
 ]

@@ -8,6 +8,7 @@ that chunk. Planning is pure index arithmetic on ``(seed, epoch)``: no I/O, no g
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, overload, runtime_checkable
@@ -86,6 +87,49 @@ class Sampler(Protocol):
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
         """The fetches of one epoch; the same arguments always give the same plan."""
         ...
+
+
+class MinibatchFetches:
+    """Mixin of dataclass samplers whose ``fetch_factor`` counts minibatches.
+
+    Such a sampler needs the loader's minibatch size to size its fetches. A user gives the
+    batch size once, to the :class:`~slafload.Loader`, which binds it with
+    :func:`bind_batch_size`; ``batch_size`` is given to the sampler itself only to plan
+    without a loader (tests, docs, notebooks).
+    """
+
+    batch_size: int | None
+
+    def with_batch_size(self, batch_size: int) -> Sampler:
+        """This sampler planning for minibatches of ``batch_size`` cells.
+
+        Raises:
+            ValueError: the sampler was built with another ``batch_size``.
+        """
+        if self.batch_size is None:
+            return dataclasses.replace(self, batch_size=batch_size)  # type: ignore[type-var]
+        if self.batch_size != batch_size:
+            raise ValueError(
+                f"{type(self).__name__} was built with batch_size={self.batch_size} but the "
+                f"loader uses batch_size={batch_size}; give the batch size once, to the "
+                "loader, and leave the sampler's batch_size unset"
+            )
+        return self  # type: ignore[return-value]
+
+    def _minibatch(self) -> int:
+        if self.batch_size is None:
+            raise ValueError(
+                f"{type(self).__name__} needs the minibatch size to size its fetches: pass "
+                "it to slafload.Loader(batch_size=...), which sets it, or give "
+                f"{type(self).__name__}(batch_size=...) to plan without a loader"
+            )
+        return self.batch_size
+
+
+def bind_batch_size(sampler: Sampler, batch_size: int) -> Sampler:
+    """``sampler`` planning for the loader's ``batch_size`` (unchanged if it does not care)."""
+    bind = getattr(sampler, "with_batch_size", None)
+    return sampler if bind is None else bind(batch_size)
 
 
 def derive_seed(*parts: int) -> int:

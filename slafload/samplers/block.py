@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from slafload.ranges import expand
-from slafload.samplers.base import Fetch, Plan, derive_seed
+from slafload.samplers.base import Fetch, MinibatchFetches, Plan, derive_seed
 from slafload.samplers.feistel import FeistelPermutation
 
 __all__ = ["BlockShuffle", "block_ranges", "expand_ranges", "merge_ranges"]
@@ -96,13 +96,15 @@ class _BlockPlan(Plan):
 
 
 @dataclass(frozen=True)
-class BlockShuffle:
+class BlockShuffle(MinibatchFetches):
     """scDataset's block sampling: random blocks of contiguous cells, fetched in batches.
 
     Args:
         block_size: ``b``, contiguous cells per block; ``1`` is uniform random sampling.
         fetch_factor: ``f``, minibatches fetched (and shuffled together) per read.
-        batch_size: ``m``, the loader's minibatch size; a fetch holds ``ceil(f * m / b)`` blocks.
+        batch_size: ``m``, the minibatch size; a fetch holds ``ceil(f * m / b)`` blocks. Leave
+            it unset under a :class:`~slafload.Loader`, which sets its own; give it only to
+            plan without a loader.
 
     Every cell appears exactly once per epoch. Planning an epoch stores no per-cell or
     per-block array: fetch ``i`` is computed from ``(seed, epoch, i)`` when it is requested.
@@ -114,16 +116,17 @@ class BlockShuffle:
 
     block_size: int = 16
     fetch_factor: int = 64
-    batch_size: int = 32
+    batch_size: int | None = None
 
     def __post_init__(self) -> None:
         check_positive("block_size", self.block_size)
         check_positive("fetch_factor", self.fetch_factor)
-        check_positive("batch_size", self.batch_size)
+        if self.batch_size is not None:
+            check_positive("batch_size", self.batch_size)
 
     @property
     def blocks_per_fetch(self) -> int:
-        return -(-self.fetch_factor * self.batch_size // self.block_size)
+        return -(-self.fetch_factor * self._minibatch() // self.block_size)
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
         return _BlockPlan(

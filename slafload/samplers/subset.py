@@ -8,11 +8,12 @@ plates but one, on plate-ordered data) costs a few integers however many cells i
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from slafload.samplers.base import Fetch, Plan, Sampler
+from slafload.samplers.base import Fetch, Plan, Sampler, bind_batch_size
 from slafload.samplers.block import array_digest, expand_ranges
 
 if TYPE_CHECKING:
@@ -73,6 +74,15 @@ class Subset:
             f"Subset({self.sampler!r}, {self.n_cells} cells in {len(self._run_cell)} runs, "
             f"digest={runs.split(':')[1]})"
         )
+
+    def with_batch_size(self, batch_size: int) -> Subset:
+        """This subset of the wrapped sampler bound to ``batch_size`` (see ``bind_batch_size``)."""
+        bound = bind_batch_size(self.sampler, batch_size)
+        if bound is self.sampler:
+            return self
+        out = copy.copy(self)
+        out.sampler = bound
+        return out
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
         if len(self._run_cell) and self._run_cell[-1] + np.diff(self._run_pos)[-1] > n_cells:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slafload.samplers.base import Fetch, Plan, derive_seed
+from slafload.samplers.base import Fetch, MinibatchFetches, Plan, derive_seed
 from slafload.samplers.block import array_digest, check_positive, merge_ranges
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class _DrawPlan(Plan):
 
 
 @dataclass(frozen=True, eq=False)
-class Weighted:
+class Weighted(MinibatchFetches):
     """Cells drawn by weight, block by block (see the module docstring for epoch semantics).
 
     Args:
@@ -83,7 +83,7 @@ class Weighted:
     n_draws: int | None = None
     block_size: int = 1
     fetch_factor: int = 64
-    batch_size: int = 32
+    batch_size: int | None = None
 
     def __post_init__(self) -> None:
         w = np.asarray(self.weights, dtype=np.float64)
@@ -94,8 +94,10 @@ class Weighted:
             )
         object.__setattr__(self, "weights", w)
         object.__setattr__(self, "digest", array_digest(w))
-        for name in ("block_size", "fetch_factor", "batch_size"):
+        for name in ("block_size", "fetch_factor"):
             check_positive(name, getattr(self, name))
+        if self.batch_size is not None:
+            check_positive("batch_size", self.batch_size)
         if self.n_draws is not None:
             check_positive("n_draws", self.n_draws)
 
@@ -146,12 +148,12 @@ class Weighted:
         starts, stops = starts[:keep], stops[:keep].copy()
         if len(stops):
             stops[-1] -= max(0, int(ends[keep - 1]) - want)
-        per_fetch = -(-self.fetch_factor * self.batch_size // b)
+        per_fetch = -(-self.fetch_factor * self._minibatch() // b)
         return _DrawPlan(starts, stops, per_fetch, derive_seed(seed, epoch, 4))
 
 
 @dataclass(frozen=True, eq=False)
-class ClassBalanced:
+class ClassBalanced(MinibatchFetches):
     """Every class of a label drawn equally often: cell weight ``1 / (cells of its class)``.
 
     Args:
@@ -168,7 +170,7 @@ class ClassBalanced:
     n_draws: int | None = None
     block_size: int = 1
     fetch_factor: int = 64
-    batch_size: int = 32
+    batch_size: int | None = None
     _weighted: Weighted = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
