@@ -1,8 +1,9 @@
-"""Stage 7: cut tokenized chunks into training batches of exactly ``batch_size`` rows.
+"""Stage 7: cut tokenized pieces into training batches of exactly ``batch_size`` rows, and
+hand them over as torch tensors.
 
-Chunks rarely hold a multiple of ``batch_size`` cells, so the rows left over at the end of a
-chunk are carried into the first batch of the next one; only the last batch of an epoch can
-be short (or dropped with ``drop_last``). Full batches inside a chunk are zero-copy views.
+Pieces rarely hold a multiple of ``batch_size`` cells, so the rows left over at the end of a
+piece are carried into the first batch of the next one; only the last batch of an epoch can
+be short (or dropped with ``drop_last``). Full batches inside a piece are zero-copy views.
 """
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import numpy as np
+import torch
+
+from slafload._validate import check_int
+from slafload.stage import Stage
+from slafload.types import Batch
 
 Arrays = Mapping[str, np.ndarray]
 
@@ -18,8 +24,7 @@ class Batcher:
     """Accumulates row-aligned arrays and emits fixed-size batches, one epoch at a time."""
 
     def __init__(self, batch_size: int, *, drop_last: bool = False):
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        check_int("batch_size", batch_size)
         self.batch_size = batch_size
         self.drop_last = drop_last
         self._pending: list[Arrays] = []
@@ -65,3 +70,43 @@ def _rows(arrays: Arrays) -> int:
 
 def _slice(arrays: Arrays, start: int, stop: int) -> dict[str, np.ndarray]:
     return {k: v[start:stop] for k, v in arrays.items()}
+
+
+class Batches(Stage[dict[str, np.ndarray]]):
+    """Fixed-size batches of the rows of every piece; the short last one at the end."""
+
+    def __init__(self, source: Iterator[Arrays], batch_size: int, *, drop_last: bool = False):
+        super().__init__(source)
+        self._batcher = Batcher(batch_size, drop_last=drop_last)
+        self._ready: Iterator[dict[str, np.ndarray]] = iter(())
+        self._finished = False
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        while True:
+            batch = next(self._ready, None)
+            if batch is not None:
+                return batch
+            if self._finished:
+                raise StopIteration
+            try:
+                arrays = next(self.source)
+            except StopIteration:
+                self._finished = True
+                self._ready = self._batcher.finish()
+                continue
+            self._ready = self._batcher.add(arrays)
+
+
+class ToTorch(Stage[Batch]):
+    """Each batch as torch tensors (zero-copy from contiguous arrays), pinned on request."""
+
+    def __init__(self, source: Iterator[Arrays], *, pin_memory: bool = False):
+        super().__init__(source)
+        self.pin_memory = pin_memory
+
+    def __next__(self) -> Batch:
+        arrays = next(self.source)
+        batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+        if self.pin_memory:
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch

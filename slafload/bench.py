@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import itertools
 import json
 import os
 import platform
@@ -29,13 +31,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import slafload
-from slafload.chunk import assemble, shuffle
-from slafload.rank import rank
-from slafload.reader import COLUMNS, Reader
+from slafload.chain import ChainSpec, build_chain
+from slafload.epochs import Run
+from slafload.reader import COLUMNS
+from slafload.stage import Stage
 from slafload.tokenizers import make_tokenizer
 
 ROOT = Path.cwd()
@@ -150,35 +156,46 @@ def slafdb_run(path: Path, tokenizer: str, args, target: int) -> int:
         loader._dataset.prefetcher.stop()
 
 
-def profile_stages(ds, tokenizer_name: str, args, n_fetches: int = 6) -> dict[str, float]:
-    """Seconds per stage of the producer over a few chunks, run synchronously."""
-    import torch
+class _Timed(Stage[Any]):
+    """Times the ``__next__`` of the stage it wraps (the stages before it included)."""
 
-    loader_defaults = slafload.LoaderConfig()
-    tokenizer = make_tokenizer(tokenizer_name, max_genes=args.max_genes)
-    plan = slafload.samplers.ChunkShuffle(chunk_cells=loader_defaults.chunk_cells).plan(
-        ds.n_cells, seed=0, epoch=0
-    )
-    reader = Reader(ds)
-    times = dict.fromkeys(["read", "assemble", "shuffle+rank", "tokenize", "to_torch"], 0.0)
-    cells = 0
-    for fetch in plan[:n_fetches]:
+    def __init__(self, stage: Stage[Any]):
+        super().__init__(stage)
+        self.seconds = 0.0
+
+    def __next__(self) -> Any:
         t0 = time.perf_counter()
-        batches = list(reader.read(fetch))
-        t1 = time.perf_counter()
-        chunk = assemble(fetch, batches, ds.cell_start)
-        t2 = time.perf_counter()
-        ranked = rank(shuffle(chunk, fetch.shuffle_seed))
-        t3 = time.perf_counter()
-        arrays = tokenizer(ranked)
-        t4 = time.perf_counter()
-        for i in range(0, ranked.n_cells, args.batch_size):
-            {k: torch.from_numpy(v[i : i + args.batch_size]) for k, v in arrays.items()}
-        t5 = time.perf_counter()
-        for key, dt in zip(times, [t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4], strict=True):
-            times[key] += dt
-        cells += fetch.n_cells
-    return {k: v / cells * 1e6 for k, v in times.items()}  # microseconds per cell
+        try:
+            return next(self.source)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def profile_stages(ds, tokenizer_name: str, args, n_batches: int = 400) -> dict[str, float]:
+    """Microseconds per cell that the producer thread spends in each stage of the real chain.
+
+    Runs :func:`slafload.chain.build_chain`, as the loader does, on this thread with no read
+    ahead, so each stage's time is its own: time inside a stage's ``__next__`` minus the time
+    inside its source's. Work that Lance and Polars do on their own threads counts only where
+    the producer waits for it.
+    """
+    config = slafload.LoaderConfig(batch_size=args.batch_size, max_genes=args.max_genes)
+    config = dataclasses.replace(config, read_ahead=0)
+    spec = ChainSpec(ds, make_tokenizer(tokenizer_name, max_genes=args.max_genes), config)
+    run = Run(spec, slafload.samplers.ChunkShuffle(chunk_cells=config.chunk_cells))
+    timed: dict[str, _Timed] = {}
+
+    def observe(name: str, stage: Stage[Any]) -> Stage[Any]:
+        timed[name] = _Timed(stage)
+        return timed[name]
+
+    cells = 0
+    with closing(build_chain(spec, run.share(0).parts(), observe=observe)) as chain:
+        for batch in itertools.islice(chain, n_batches):
+            cells += len(batch["cell_integer_id"])
+    names, inclusive = list(timed), [t.seconds for t in timed.values()]
+    own = np.diff([0.0, *inclusive])
+    return {name: float(t) / cells * 1e6 for name, t in zip(names, own, strict=True)}
 
 
 # -- main --------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from slafload.rank import RankedChunk
 from slafload.tokenizers import VALUE_OFFSET, ScGPT
+from slafload.types import RankedChunk
 
 
 def fixed_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:

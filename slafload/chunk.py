@@ -1,6 +1,8 @@
-"""Stage 4: assemble a fetch's record batches into a chunk of whole cells, and shuffle it.
+"""Stage 4: assemble a part's record batches into a chunk of whole cells, shuffle it, apply
+the chunk transforms and split it into compute pieces.
 
-A :class:`Chunk` holds every expression row of its cells as flat numpy arrays in CSR layout.
+A :class:`~slafload.types.Chunk` holds every expression row of its cells as flat numpy arrays
+in CSR layout.
 It is built from exactly the rows of one fetch, so a cell never straddles two chunks, and the
 rows are checked against the cell ranges they were read for: data that contradicts
 ``cell_start_index`` or its sort order fails loudly here rather than silently shifting cells.
@@ -9,44 +11,18 @@ rows are checked against the cell ranges they were read for: data that contradic
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 
+from slafload.dataset import SlafDataset
 from slafload.errors import InconsistentDataError
+from slafload.partition import Part
 from slafload.ranges import expand
-from slafload.samplers import Fetch
-
-
-@dataclass(frozen=True, eq=False)
-class Chunk:
-    """All expression rows of a set of whole cells.
-
-    Attributes:
-        fetch_index: Index of the fetch this chunk was read for.
-        cell_ids: ``int64[n]`` cell ids in read order.
-        indptr: ``int64[n + 1]`` offsets: cell ``i``'s rows are ``indptr[i]:indptr[i + 1]``.
-        genes: Gene ids of the rows (the table's integer dtype), ascending within a cell.
-        values: Expression values of the rows (the table's numeric dtype).
-        order: ``int64[n]`` output order: output row ``j`` is chunk cell ``order[j]``.
-    """
-
-    fetch_index: int
-    cell_ids: np.ndarray
-    indptr: np.ndarray
-    genes: np.ndarray
-    values: np.ndarray
-    order: np.ndarray
-
-    @property
-    def n_cells(self) -> int:
-        return len(self.cell_ids)
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return np.diff(self.indptr)
+from slafload.samplers.base import shuffle_order
+from slafload.stage import Stage
+from slafload.types import Chunk, ChunkTransform, Fetch
 
 
 def assemble(
@@ -57,7 +33,8 @@ def assemble(
     uri: str = "",
     n_genes: int | None = None,
 ) -> Chunk:
-    """Concatenate a fetch's record batches into a :class:`Chunk`, validating every row.
+    """Concatenate a fetch's record batches into a :class:`~slafload.types.Chunk`, validating
+    every row.
 
     ``n_genes`` (the ``genes`` table's row count), when given, bounds the gene ids.
 
@@ -107,13 +84,6 @@ def assemble(
     return Chunk(
         fetch.index, cell_ids, indptr, genes, values, np.arange(len(cell_ids), dtype=np.int64)
     )
-
-
-def shuffle_order(n: int, seed: int | None) -> np.ndarray:
-    """The output order of ``n`` cells shuffled with ``seed``: output ``j`` is cell ``[j]``."""
-    if seed is None:
-        return np.arange(n, dtype=np.int64)
-    return np.random.default_rng(seed).permutation(n).astype(np.int64)
 
 
 def shuffle(chunk: Chunk, seed: int | None) -> Chunk:
@@ -198,3 +168,60 @@ def _check_values(values: np.ndarray, where: str) -> None:
             "or NaN; expression values must be non-negative numbers. Drop or fix those rows "
             "when writing the dataset."
         )
+
+
+class Assemble(Stage[tuple[Part, Chunk]]):
+    """Each part's record batches, read by :class:`~slafload.read.Read`, as a checked chunk."""
+
+    def __init__(self, source: Iterator[tuple[Part, list[pa.RecordBatch]]], dataset: SlafDataset):
+        super().__init__(source)
+        self.dataset = dataset
+
+    def __next__(self) -> tuple[Part, Chunk]:
+        part, batches = next(self.source)
+        ds = self.dataset
+        return part, assemble(part.fetch, batches, ds.cell_start, uri=ds.uri, n_genes=ds.n_genes)
+
+
+class Shuffle(Stage[tuple[Part, Chunk]]):
+    """Each chunk in its fetch's seeded output order."""
+
+    def __next__(self) -> tuple[Part, Chunk]:
+        part, chunk = next(self.source)
+        return part, shuffle(chunk, part.fetch.shuffle_seed)
+
+
+class Transform(Stage[tuple[Part, Chunk]]):
+    """Each chunk through the chunk transforms, in order (normalisation, gene remapping)."""
+
+    def __init__(self, source: Iterator[tuple[Part, Chunk]], transforms: Sequence[ChunkTransform]):
+        super().__init__(source)
+        self.transforms = tuple(transforms)
+
+    def __next__(self) -> tuple[Part, Chunk]:
+        part, chunk = next(self.source)
+        for transform in self.transforms:
+            chunk = transform(chunk)
+        return part, chunk
+
+
+class Split(Stage[Chunk]):
+    """The output rows ``[part.skip, part.keep)`` of each chunk as pieces of at most
+    ``piece_cells`` cells, in output order.
+
+    A fetch is the unit of I/O and shuffling; a piece is the unit of ranking and tokenizing,
+    which keeps the token arrays small however large a sampler's fetches are.
+    """
+
+    def __init__(self, source: Iterator[tuple[Part, Chunk]], piece_cells: int):
+        super().__init__(source)
+        self.piece_cells = piece_cells
+        self._pieces: Iterator[Chunk] = iter(())
+
+    def __next__(self) -> Chunk:
+        while True:
+            piece = next(self._pieces, None)
+            if piece is not None:
+                return piece
+            part, chunk = next(self.source)
+            self._pieces = split(chunk, part.skip, part.keep, self.piece_cells)

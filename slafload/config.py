@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from slafload._validate import check_int
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -32,10 +34,7 @@ class RetryPolicy:
     transient_messages: tuple[str, ...] = ("LanceError(IO)",)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool):
-            raise ValueError(f"attempts must be a positive integer, got {self.attempts!r}")
-        if self.attempts < 1:
-            raise ValueError(f"attempts must be a positive integer, got {self.attempts!r}")
+        check_int("attempts", self.attempts)
         if not 0 <= self.initial_backoff <= self.max_backoff:
             raise ValueError(
                 "backoffs must satisfy 0 <= initial_backoff <= max_backoff, got "
@@ -80,8 +79,11 @@ class LoaderConfig:
         shuffle: With no explicit sampler: ``True`` uses :class:`ChunkShuffle`, ``False``
             :class:`Streaming`.
         drop_last: Drop each epoch's short last batch.
-        chunk_cells: Cells per prefetch chunk for the default samplers, and the most cells
-            ranked and tokenized at once (larger fetches are processed in pieces this size).
+        chunk_cells: Cells per fetch of the default samplers (:class:`ChunkShuffle`,
+            :class:`Streaming`).
+        piece_cells: The most cells ranked and tokenized at once: every fetch, whatever its
+            sampler, is computed in pieces of at most this many cells, which bounds the token
+            arrays in memory.
         queue_depth: Batches the producer may run ahead of the consumer.
         read_batch_rows: Rows per Arrow record batch requested from Lance.
         read_ahead: Fetches whose reads are started before the current one is computed, so
@@ -98,31 +100,18 @@ class LoaderConfig:
     shuffle: bool = True
     drop_last: bool = False
     chunk_cells: int = 2048
+    piece_cells: int = 2048
     queue_depth: int = 64
     read_batch_rows: int = 1 << 20
     read_ahead: int = 1
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def __post_init__(self) -> None:
-        positive = {
-            "batch_size": self.batch_size,
-            "max_genes": self.max_genes,
-            "chunk_cells": self.chunk_cells,
-            "queue_depth": self.queue_depth,
-            "read_batch_rows": self.read_batch_rows,
-        }
-        for name, value in positive.items():
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if (
-            not isinstance(self.read_ahead, int)
-            or isinstance(self.read_ahead, bool)
-            or not (0 <= self.read_ahead <= 8)
-        ):
-            raise ValueError(f"read_ahead must be an integer in [0, 8], got {self.read_ahead!r}")
-        if self.n_epochs is not None and (not isinstance(self.n_epochs, int) or self.n_epochs < 1):
-            raise ValueError(f"n_epochs must be a positive integer or None, got {self.n_epochs!r}")
+        positive = ("batch_size", "max_genes", "chunk_cells", "piece_cells", "queue_depth")
+        for name in (*positive, "read_batch_rows"):
+            check_int(name, getattr(self, name))
+        check_int("read_ahead", self.read_ahead, low=0, high=8)
+        check_int("n_epochs", self.n_epochs, none_ok=True)
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        check_int("seed", self.seed, low=0)

@@ -1,7 +1,8 @@
-"""Stage 9: the loader, the only place that knows epochs, positions and devices.
+"""Stage 9: the loader, the front end a training loop iterates.
 
-``Loader`` wires the stages together (dataset -> sampler -> reader -> chunk -> shuffle ->
-rank -> tokenize -> batch -> prefetch) and hands out dicts of torch tensors. ``n_epochs``
+``Loader`` opens the dataset, resolves the tokenizer, sampler, rank and device, and runs the
+rank's :class:`~slafload.epochs.Run` (which builds the chain of stages of each epoch,
+:mod:`slafload.chain`) on one prefetch thread, handing out dicts of torch tensors. ``n_epochs``
 counts the epochs of the whole run (``None``: endless): each ``iter(loader)`` continues where
 the consumer stopped and ends with epoch ``n_epochs - 1``, so a loader resumed from a
 checkpoint delivers exactly what the uninterrupted run had left, and iterating a loader whose
@@ -19,21 +20,20 @@ from typing import Any
 
 import torch
 
-from slafload.checkpoint import cell_order, fingerprint, require_same_order
+from slafload import epochs
+from slafload.chain import ChainSpec
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.distributed import resolve_rank
+from slafload.epochs import Delivery, Position, Run
 from slafload.errors import StateError
-from slafload.pipeline import Batch, ChunkTransform, Delivery, Pipeline, Position
 from slafload.prefetcher import Prefetcher
-from slafload.samplers import ChunkShuffle, Sampler, Streaming, bind_batch_size
-from slafload.shard import Segment
-from slafload.tokenizers import Tokenizer, make_tokenizer
+from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
+from slafload.tokenizers import make_tokenizer
 from slafload.torch_data import SlafIterableDataset
+from slafload.types import Batch, ChunkTransform, Sampler, Tokenizer
 
 logger = logging.getLogger(__name__)
-
-STATE_FORMAT = "slafload.loader.v1"
 
 
 class Loader:
@@ -113,24 +113,22 @@ class Loader:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self._transforms = tuple(transforms)
         self._obs_columns = tuple(obs_columns)
-        self._build_pipeline()
+        self._build_run()
         self._position = Position()
         self._active: _LoaderIterator | None = None
 
-    def _build_pipeline(self) -> None:
+    def _build_run(self) -> None:
         codes = {name: self.dataset.obs_codes(name) for name in self._obs_columns}
         self.obs_categories = {name: cats for name, (_, cats) in codes.items()}
-        self._pipeline = Pipeline(
+        spec = ChainSpec(
             self.dataset,
-            self.sampler,
             self.tokenizer,
             self.config,
-            pin_memory=self.pin_memory,
-            rank=self.rank,
-            world_size=self.world_size,
             transforms=self._transforms,
             obs={name: c for name, (c, _) in codes.items()},
+            pin_memory=self.pin_memory,
         )
+        self._run = Run(spec, self.sampler, rank=self.rank, world_size=self.world_size)
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -141,9 +139,7 @@ class Loader:
 
     def __len__(self) -> int:
         """Batches this rank yields in one full epoch (the same on every rank)."""
-        n = self._pipeline.stream(self._position.epoch).quota
-        bs = self.config.batch_size
-        return n // bs if self.config.drop_last else -(-n // bs)
+        return self._run.batches_in_epoch(self._position.epoch)
 
     @property
     def position(self) -> Position:
@@ -152,64 +148,42 @@ class Loader:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def _order(self) -> dict[str, Any]:
-        """The settings that decide which cells come in which order."""
-        return cell_order(self.sampler, self.config.seed, self.dataset.n_cells)
-
     def state_dict(self) -> dict[str, Any]:
         """What the consumer has received, as a small JSON-serializable dict.
 
         Prefetched batches the consumer has not taken are not counted: after
-        :meth:`load_state_dict` they are produced again, so nothing is lost or repeated.
+        :meth:`load_state_dict` they are produced again, so nothing is lost or repeated. The
+        schema is :func:`slafload.epochs.make_state`'s.
         """
-        pos = self._position
-        segments = [[s.world_size, s.cells] for s in pos.history]
-        segments.append([self.world_size, pos.cells])
-        order = self._order()
-        return {
-            "format": STATE_FORMAT,
-            "dataset": {"uri": self.dataset.uri, "versions": self.dataset.versions},
-            "order": order,
-            "fingerprint": fingerprint(order),
-            "epoch": pos.epoch,
-            "segments": segments,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "batch_size": self.config.batch_size,
-        }
+        return epochs.make_state(self._run, self._position)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (possibly taken on another number of ranks).
 
-        The dataset is re-pinned to the Lance versions recorded in the state.
+        The dataset is re-pinned to the Lance versions recorded in the state. Nothing changes
+        if the state is refused.
 
         Raises:
-            StateError: the state is malformed or was taken with settings that change the
-                order of cells (sampler, seed, dataset size).
+            StateError: the state is malformed, is a DataLoader worker's, or was taken with
+                settings that change the order of cells (sampler, seed, dataset size).
         """
-        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            raise StateError(f"not a slafload loader state (expected format {STATE_FORMAT!r})")
+        state = epochs.upgrade(state)
+        if state[epochs.N_WORKERS] != 1:
+            raise StateError(
+                "the state is a DataLoader worker's (each worker counts its own cells); "
+                "load it into the dataset from loader.as_torch_dataset() instead"
+            )
+        dataset = epochs.repin(self.dataset, state[epochs.DATASET][epochs.VERSIONS])
+        previous = self.dataset, self._run, self.obs_categories
+        self.dataset = dataset
+        self._build_run()
+        try:
+            position = epochs.read_state(state, self._run)
+        except StateError:
+            self.dataset, self._run, self.obs_categories = previous
+            raise
         self._close_active()
-        versions = dict(state["dataset"]["versions"])
-        if versions != self.dataset.versions:
-            logger.info("re-pinning %s to the checkpoint's versions %s", self.dataset.uri, versions)
-            try:
-                self.dataset = open_dataset(
-                    self.dataset.uri, version=versions, storage_options=self.dataset.storage_options
-                )
-            except Exception as exc:
-                raise StateError(
-                    f"cannot reopen {self.dataset.uri!r} at the checkpoint's "
-                    f"versions {versions}: {exc}"
-                ) from exc
-            self._build_pipeline()
-        require_same_order(state, self._order())
-        segments = [Segment(int(w), int(c)) for w, c in state["segments"]]
-        last = segments[-1]
-        if last.world_size == self.world_size:
-            self._position = Position(int(state["epoch"]), last.cells, tuple(segments[:-1]))
-        else:  # elastic: the others' share of the old run is arithmetic, start a new segment
-            self._position = Position(int(state["epoch"]), 0, tuple(segments))
+        self._position = position
 
     def as_torch_dataset(self) -> SlafIterableDataset:
         """This loader as a ``torch.utils.data.IterableDataset`` (see :mod:`slafload.torch_data`)."""
@@ -256,9 +230,10 @@ class _LoaderIterator(Iterator[Batch]):
 
     def __init__(self, loader: Loader):
         self._loader = weakref.ref(loader)
-        start, pipeline = loader.position, loader._pipeline
+        start, run = loader.position, loader._run
         self._prefetcher: Prefetcher[Delivery] = Prefetcher(
-            lambda stop: pipeline.run(start, stop=stop), depth=loader.config.queue_depth
+            lambda stop: run.run(start, sleep=stop.wait),  # a retry backoff ends on close()
+            depth=loader.config.queue_depth,
         )
         self._device = loader.device
         self._non_blocking = loader.pin_memory

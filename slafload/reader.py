@@ -1,4 +1,7 @@
-"""Stage 3: read the expression rows of a fetch as Arrow record batches.
+"""Stage 3a: read the expression rows of a fetch from Lance as Arrow record batches.
+
+The read *stage* (retries, read-ahead) is :mod:`slafload.read`; this module is the Lance I/O
+it calls.
 
 A fetch is a list of contiguous cell ranges. ``cells.cell_start_index`` turns each into a
 contiguous row range of ``expression.lance``, so no filter is evaluated. How the ranges are
@@ -29,10 +32,12 @@ from typing import Any, TypeVar
 import numpy as np
 import pyarrow as pa
 
+from slafload._compat import take_scan
+from slafload._validate import check_int
 from slafload.dataset import SlafDataset
 from slafload.errors import ReadError, SlafloadError
-from slafload.samplers import Fetch
-from slafload.samplers.block import expand_ranges
+from slafload.ranges import coalesce, describe, expand_ranges, span_ends
+from slafload.types import Fetch
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,8 +59,7 @@ class Reader:
     """
 
     def __init__(self, dataset: SlafDataset, *, batch_rows: int = 1 << 20):
-        if batch_rows < 1:
-            raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
+        check_int("batch_rows", batch_rows)
         self.dataset = dataset
         self.batch_rows = batch_rows
 
@@ -82,7 +86,7 @@ class Reader:
             raise
         except Exception as exc:
             raise ReadError(
-                f"Reading {fetch!r} (expression rows {_describe(rows)}) from "
+                f"Reading {fetch!r} (expression rows {describe(rows)}) from "
                 f"{self.dataset.uri!r} failed: {type(exc).__name__}: {exc}"
             ) from exc
 
@@ -98,10 +102,10 @@ class Reader:
         return iter(scanner.to_batches())
 
     def _read_many(self, rows: np.ndarray) -> Iterator[pa.RecordBatch]:
-        first, last = _span_ends(coalesce(rows, MAX_GAP_ROWS))
+        first, last = span_ends(coalesce(rows, MAX_GAP_ROWS))
         wanted = int((rows[:, 1] - rows[:, 0]).sum())
         if int((rows[last, 1] - rows[first, 0]).sum()) > MAX_READ_AMPLIFICATION * wanted:
-            first, last = _span_ends(np.arange(len(rows)))  # sparse: skip the gaps instead
+            first, last = span_ends(np.arange(len(rows)))  # sparse: skip the gaps instead
         spans = np.stack([rows[first, 0], rows[last, 1]], axis=1)
         ranges = [rows[a : b + 1] for a, b in zip(first.tolist(), last.tolist(), strict=True)]
         long = spans[:, 1] - spans[:, 0] >= SCAN_FROM_ROWS
@@ -128,8 +132,9 @@ class Reader:
                 _nonempty(table.slice(a, b - a).to_batches())
                 for a, b in zip([0, *ends[:-1]], ends, strict=True)
             )
-        batches = expression._ds.take_scan(
-            [tuple(s) for s in spans[which].tolist()],
+        batches = take_scan(
+            expression,
+            [(a, b) for a, b in spans[which].tolist()],
             columns=COLUMNS,
             batch_readahead=len(which),  # all of them: Lance reads the fetch in the background
         )
@@ -173,20 +178,3 @@ def _cut(
 
 def _nonempty(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     return (batch for batch in batches if batch.num_rows)
-
-
-def coalesce(ranges: np.ndarray, max_gap: int) -> np.ndarray:
-    """Span number of each range: consecutive ranges whose gap is in ``[0, max_gap]`` share one."""
-    gap = ranges[1:, 0] - ranges[:-1, 1]
-    return np.concatenate([[0], np.cumsum((gap < 0) | (gap > max_gap))])
-
-
-def _span_ends(span_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """First and last range index of each span, from the span number of each range."""
-    first = np.flatnonzero(np.diff(span_of, prepend=-1))
-    return first, np.append(first[1:], len(span_of)) - 1
-
-
-def _describe(rows: np.ndarray) -> str:
-    spans = ", ".join(f"[{a}, {b})" for a, b in rows[:4].tolist())
-    return spans + (f", ... {len(rows) - 4} more" if len(rows) > 4 else "")

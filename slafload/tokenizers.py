@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import numpy as np
 
+from slafload._validate import check_int
 from slafload.ranges import expand
-from slafload.rank import RankedChunk
+from slafload.types import RankedChunk, Tokenizer
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 GENE_OFFSET = 4
@@ -38,22 +39,8 @@ VALUE_OFFSET = 50_000
 ENTRY_POINT_GROUP = "slafload.tokenizers"
 
 
-@runtime_checkable
-class Tokenizer(Protocol):
-    """Maps a :class:`~slafload.rank.RankedChunk` to equal-length numpy arrays.
-
-    Every returned array has ``ranked.n_cells`` rows, row ``j`` describing output cell
-    ``ranked.order[j]``. Implementations must be vectorized over the chunk.
-    """
-
-    name: str
-
-    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]: ...
-
-
 def _check_max_genes(max_genes: int, minimum: int) -> None:
-    if not isinstance(max_genes, int) or max_genes < minimum:
-        raise ValueError(f"max_genes must be an integer >= {minimum}, got {max_genes!r}")
+    check_int("max_genes", max_genes, low=minimum)
 
 
 def _destinations(

@@ -28,13 +28,13 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from slafload.checkpoint import cell_order, fingerprint, require_same_order
+from slafload import epochs
+from slafload.chain import ChainSpec
 from slafload.config import LoaderConfig
-from slafload.dataset import open_dataset
+from slafload.dataset import SlafDataset, open_dataset
+from slafload.epochs import Delivery, Position, Run
 from slafload.errors import StateError
-from slafload.pipeline import Batch, ChunkTransform, Delivery, Pipeline
-from slafload.samplers import Sampler
-from slafload.tokenizers import Tokenizer
+from slafload.types import Batch, ChunkTransform, Sampler, Tokenizer
 
 
 class SlafIterableDataset(IterableDataset[Batch]):
@@ -74,7 +74,7 @@ class SlafIterableDataset(IterableDataset[Batch]):
         self.epoch = epoch
         self._progress = (epoch, 0)  # (epoch, cells this copy has yielded in it)
         self._resume: tuple[int, int] | None = None  # set by load_state_dict
-        self._pipeline: Pipeline | None = None  # opened lazily, in the process that iterates
+        self._run: Run | None = None  # opened lazily, in the process that iterates
 
     def set_epoch(self, epoch: int) -> None:
         """Iterate epoch ``epoch`` next (call before each epoch when using workers).
@@ -87,42 +87,36 @@ class SlafIterableDataset(IterableDataset[Batch]):
         self._progress = self._resume or (self.epoch, 0)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pipeline": None}
+        return {**self.__dict__, "_run": None}
 
-    def _open(self) -> Pipeline:
-        if self._pipeline is None:
-            self._pipeline = self._pipeline_at(self._settings["versions"])
-        return self._pipeline
+    def _open(self) -> Run:
+        if self._run is None:
+            s = self._settings
+            ds = open_dataset(
+                s["uri"], version=dict(s["versions"]), storage_options=s["storage_options"]
+            )
+            self._run = self._run_on(ds)
+        return self._run
 
-    def _pipeline_at(self, versions: Mapping[str, int]) -> Pipeline:
+    def _run_on(self, ds: SlafDataset) -> Run:
         s = self._settings
-        ds = open_dataset(s["uri"], version=dict(versions), storage_options=s["storage_options"])
         obs = {name: ds.obs_codes(name)[0] for name in s["obs_columns"]}
-        return Pipeline(
-            ds,
-            s["sampler"],
-            s["tokenizer"],
-            s["config"],
-            rank=s["rank"],
-            world_size=s["world_size"],
-            transforms=s["transforms"],
-            obs=obs,
-        )
+        spec = ChainSpec(ds, s["tokenizer"], s["config"], transforms=s["transforms"], obs=obs)
+        return Run(spec, s["sampler"], rank=s["rank"], world_size=s["world_size"])
 
     def __iter__(self) -> Iterator[Batch]:
         # Not a generator itself: the position moves to the new epoch as soon as iteration
         # starts, so a state taken before this copy's first batch already points there.
         worker, n_workers = _worker()
-        pipeline = self._open()
+        run = self._open()
         epoch, skip = self._resume or (self.epoch, 0)
         self._resume = None
-        n_epochs = self._settings["config"].n_epochs
-        if n_epochs is not None and epoch >= n_epochs:  # the run is complete
+        if run.complete(Position(epoch)):  # the run is over: nothing more, as for the Loader
             self._progress = (epoch, 0)
             return iter(())
         self.epoch = epoch + 1  # in-process and persistent workers advance by themselves
         self._progress = (epoch, skip)
-        return self._batches(pipeline.epoch(epoch, skip=skip, worker=worker, n_workers=n_workers))
+        return self._batches(run.epoch(epoch, skip=skip, worker=worker, n_workers=n_workers))
 
     def _batches(self, deliveries: Iterator[Delivery]) -> Iterator[Batch]:
         for delivery in deliveries:
@@ -134,27 +128,16 @@ class SlafIterableDataset(IterableDataset[Batch]):
         if get_worker_info() is None:
             self._progress = (self.epoch, 0)
 
-    def _order(self, pipeline: Pipeline | None = None) -> dict[str, Any]:
-        s, pipeline = self._settings, pipeline or self._open()
-        return cell_order(s["sampler"], s["config"].seed, pipeline.dataset.n_cells)
-
     def state_dict(self) -> dict[str, Any]:
-        """This copy's position: the epoch under way and the cells it has yielded in it."""
+        """This copy's position: the epoch under way and the cells it has yielded in it.
+
+        The schema is :func:`slafload.epochs.make_state`'s, with this worker's id and count.
+        """
         worker, n_workers = _worker()
-        order = self._order()
         epoch, cells = self._resume or self._progress
-        return {
-            "format": STATE_FORMAT,
-            "versions": self._settings["versions"],
-            "order": order,
-            "fingerprint": fingerprint(order),
-            "epoch": epoch,
-            "cells": cells,
-            "rank": self._settings["rank"],
-            "world_size": self._settings["world_size"],
-            "worker": worker,
-            "n_workers": n_workers,
-        }
+        return epochs.make_state(
+            self._open(), Position(epoch, cells), worker=worker, n_workers=n_workers
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next iteration of this copy continue after the position in ``state``.
@@ -163,16 +146,16 @@ class SlafIterableDataset(IterableDataset[Batch]):
         if the state is refused.
 
         Raises:
-            StateError: ``state`` is not a state of this dataset; was taken on another rank,
-                world size or number of DataLoader workers (elastic resume is a
+            StateError: ``state`` is not a slafload state; was taken on another rank, world
+                size or number of DataLoader workers (elastic resume is a
                 :class:`~slafload.Loader` feature); was taken with settings that order the
                 cells differently; or its Lance versions cannot be opened.
         """
-        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
-            raise StateError(f"not a slafload torch dataset state (expected {STATE_FORMAT!r})")
+        state = epochs.upgrade(state)
         s = self._settings
         worker, n_workers = _worker()
-        theirs = (state["rank"], state["world_size"], state["worker"], state["n_workers"])
+        keys = (epochs.RANK, epochs.WORLD_SIZE, epochs.WORKER, epochs.N_WORKERS)
+        theirs = tuple(state[k] for k in keys)
         ours = (s["rank"], s["world_size"], worker, n_workers)
         if theirs != ours:
             raise StateError(
@@ -181,27 +164,17 @@ class SlafIterableDataset(IterableDataset[Batch]):
                 "num_workers (each worker's position counts its own cells), or use "
                 "slafload.Loader for elastic resume.".format(*theirs, *ours)
             )
-        versions = dict(state["versions"])
-        pipeline = self._open() if versions == s["versions"] else None
-        if pipeline is None:  # re-pin, as Loader.load_state_dict does
-            try:
-                pipeline = self._pipeline_at(versions)
-            except Exception as exc:
-                raise StateError(
-                    f"cannot reopen {s['uri']!r} at the checkpoint's versions {versions}: {exc}"
-                ) from exc
-        require_same_order(state, self._order(pipeline))
-        s["versions"], self._pipeline = versions, pipeline
-        self._resume = (int(state["epoch"]), int(state["cells"]))
-        self.epoch = self._resume[0]
+        current = self._open()
+        versions = state[epochs.DATASET][epochs.VERSIONS]
+        ds = epochs.repin(current.spec.dataset, versions)
+        run = current if ds is current.spec.dataset else self._run_on(ds)
+        position = epochs.read_state(state, run)
+        s["versions"], self._run = dict(versions), run
+        self._resume = (position.epoch, position.cells)
+        self.epoch = position.epoch
 
     def __len__(self) -> int:
-        bs = self._settings["config"].batch_size
-        quota = self._open().stream(self.epoch, ()).quota
-        return quota // bs if self._settings["config"].drop_last else -(-quota // bs)
-
-
-STATE_FORMAT = "slafload.torch_dataset.v1"
+        return self._open().batches_in_epoch(self.epoch)
 
 
 def _worker() -> tuple[int, int]:

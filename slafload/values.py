@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from slafload.rank import RankedChunk
 from slafload.tokenizers import GENE_OFFSET, Tokenizer
+from slafload.types import RankedChunk
 
 
 class WithValues:

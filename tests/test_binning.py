@@ -12,7 +12,7 @@ from conftest import random_counts, ranked_genes, write_dense
 from slafload import Loader, open_dataset
 from slafload.binning import ScGPTFixedBins, fixed_bins
 from slafload.chunk import assemble
-from slafload.rank import rank
+from slafload.ranking import rank
 from slafload.reader import Reader
 from slafload.samplers import Fetch
 from slafload.tokenizers import make_tokenizer

@@ -149,7 +149,7 @@ def test_loading_a_state_with_another_order_is_refused(atlas):
         other.load_state_dict(state)
     with Loader(atlas, seed=1, chunk_cells=7) as other, pytest.raises(StateError, match="sampler"):
         other.load_state_dict(state)
-    with Loader(atlas) as other, pytest.raises(StateError, match="not a slafload loader state"):
+    with Loader(atlas) as other, pytest.raises(StateError, match="not a slafload state"):
         other.load_state_dict({"epoch": 3})
 
 
@@ -214,3 +214,39 @@ def test_rank_settings_are_validated(atlas, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with Loader(atlas) as loader:
         assert (loader.rank, loader.world_size) == (1, 3)
+
+
+def test_one_state_schema_serves_both_front_ends(atlas):
+    settings = {"batch_size": 10, "chunk_cells": 40, "seed": 3, "max_genes": 8}
+    with Loader(atlas, **settings) as loader:
+        full = [b["cell_integer_id"].numpy().copy() for b in loader]
+    with Loader(atlas, **settings) as loader:
+        it = iter(loader)
+        head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(4)]
+        state = loader.state_dict()
+        face = loader.as_torch_dataset()
+    face.load_state_dict(state)  # a Loader's state resumes the DataLoader face in-process
+    rest = [b["cell_integer_id"].numpy() for b in face]
+    assert len(head) + len(rest) == len(full)
+    np.testing.assert_array_equal(np.concatenate(head + rest), np.concatenate(full))
+    worker_state = {**face.state_dict(), "worker": 1, "n_workers": 2}
+    with Loader(atlas, **settings) as other, pytest.raises(StateError, match="DataLoader worker"):
+        other.load_state_dict(worker_state)
+
+
+def test_a_state_written_by_slafload_0_1_still_loads(atlas):
+    settings = {"batch_size": 10, "chunk_cells": 40, "seed": 3, "max_genes": 8}
+    with Loader(atlas, **settings) as loader:
+        it = iter(loader)
+        head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(3)]
+        state = loader.state_dict()
+        rest_now = [b["cell_integer_id"].numpy().copy() for b in it]
+    v1 = {k: v for k, v in state.items() if k not in ("version", "worker", "n_workers")}
+    v1["format"] = "slafload.loader.v1"
+    with Loader(atlas, **settings) as loader:
+        loader.load_state_dict(v1)
+        rest = [b["cell_integer_id"].numpy() for b in loader]
+    np.testing.assert_array_equal(np.concatenate(rest), np.concatenate(rest_now))
+    assert head
+    with Loader(atlas, **settings) as loader, pytest.raises(StateError, match="version 3"):
+        loader.load_state_dict({**state, "version": 3})

@@ -9,7 +9,7 @@ from conftest import geneformer_reference, random_counts, scgpt_reference, write
 
 from slafload import open_dataset
 from slafload.chunk import assemble, shuffle
-from slafload.rank import rank
+from slafload.ranking import rank
 from slafload.reader import Reader
 from slafload.samplers import Fetch
 from slafload.tokenizers import (
@@ -120,7 +120,7 @@ def test_make_tokenizer_resolves_names_and_instances():
     [
         (Geneformer, {"max_genes": 1}, "max_genes must be an integer >= 2"),
         (ScGPT, {"n_bins": 2}, "n_bins must be an integer >= 3"),
-        (Raw, {"max_genes": 0}, "max_genes must be an integer >= 1"),
+        (Raw, {"max_genes": 0}, "max_genes must be a positive integer"),
     ],
 )
 def test_tokenizer_arguments_are_validated(cls, kwargs, message):

@@ -21,6 +21,11 @@ def atlas(tmp_path_factory):
     return write_dense(tmp_path_factory.mktemp("torch") / "t.slaf", dense, max_rows_per_file=301)
 
 
+def cells_of(state) -> int:
+    """The cells this copy has yielded in the state's epoch (its current segment)."""
+    return state["segments"][-1][1]
+
+
 def torch_dataset(atlas, seed=1, sampler=None, batch_size=12):
     sampler = sampler or BlockShuffle(block_size=4, fetch_factor=2)
     with Loader(
@@ -53,7 +58,7 @@ def test_a_state_taken_mid_epoch_resumes_exactly_in_process(atlas, stop_after):
     it = iter(ds)
     head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(stop_after)]
     state = ds.state_dict()
-    assert (state["epoch"], state["cells"]) == (
+    assert (state["epoch"], cells_of(state)) == (
         (0, sum(map(len, head))) if stop_after < 20 else (0, 230)
     )
     resumed = torch_dataset(atlas)
@@ -65,7 +70,7 @@ def test_the_state_after_a_whole_epoch_points_at_the_next_one(atlas):
     ds = torch_dataset(atlas)
     first = np.concatenate(ids(ds))
     state = ds.state_dict()
-    assert (state["epoch"], state["cells"]) == (1, 0)
+    assert (state["epoch"], cells_of(state)) == (1, 0)
     resumed = torch_dataset(atlas)
     resumed.load_state_dict(state)
     second = np.concatenate(ids(resumed))
@@ -138,7 +143,7 @@ def test_set_epoch_keeps_a_loaded_position_in_that_epoch_only(atlas):
     other = torch_dataset(atlas)
     other.load_state_dict(state)
     other.set_epoch(1)  # another epoch was asked for: the loaded position is dropped
-    assert other.state_dict()["cells"] == 0
+    assert cells_of(other.state_dict()) == 0
     np.testing.assert_array_equal(np.sort(np.concatenate(ids(other))), np.arange(N))
 
 
@@ -158,10 +163,11 @@ def test_resume_re_pins_the_lance_versions_of_the_state(tmp_path):
     rest = ids(newer)
     np.testing.assert_array_equal(np.concatenate(head + rest), np.arange(50))
 
-    missing = {**state, "versions": {k: v + 50 for k, v in state["versions"].items()}}
+    versions = state["dataset"]["versions"]
+    missing = {**state, "dataset": {"versions": {k: v + 50 for k, v in versions.items()}}}
     with pytest.raises(StateError, match="cannot reopen .* at the checkpoint's versions"):
         newer.load_state_dict(missing)
-    assert newer.state_dict()["versions"] == state["versions"]  # a refused state changes nothing
+    assert newer.state_dict()["dataset"]["versions"] == versions  # a refused state changes nothing
     assert sum(len(b) for b in ids(newer)) == 50  # next epoch, still at the state's versions
 
 
@@ -179,5 +185,5 @@ def test_a_state_is_refused_by_another_worker_count_or_cell_order(atlas):
         other_sampler = loader.as_torch_dataset()
     with pytest.raises(StateError, match="different order.*sampler"):
         other_sampler.load_state_dict(state)
-    with pytest.raises(StateError, match="not a slafload torch dataset state"):
+    with pytest.raises(StateError, match="not a slafload state"):
         ds.load_state_dict({"epoch": 0})

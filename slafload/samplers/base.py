@@ -1,6 +1,8 @@
 """The sampler contract: a deterministic plan of fetches per epoch.
 
-A sampler decides *which cells, in which order*. For an epoch it returns a :class:`Plan`, an
+The contract itself (:class:`Fetch`, :class:`Plan`, :class:`Sampler`) lives in
+:mod:`slafload.types`; this module holds what samplers share. A sampler decides *which cells,
+in which order*. For an epoch it returns a :class:`Plan`, an
 ordered sequence of :class:`Fetch` objects; each fetch is a list of contiguous cell ranges that
 the reader turns into one prefetch chunk, plus the seed of the in-memory shuffle applied to
 that chunk. Planning is pure index arithmetic on ``(seed, epoch)``: no I/O, no global RNG.
@@ -9,84 +11,22 @@ that chunk. Planning is pure index arithmetic on ``(seed, epoch)``: no I/O, no g
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol, overload, runtime_checkable
+import hashlib
 
 import numpy as np
 
-from slafload.ranges import expand
+from slafload.types import Fetch, Plan, Sampler
 
-
-@dataclass(frozen=True, eq=False)
-class Fetch:
-    """One prefetch chunk: cell ranges to read together, and how to order them in memory.
-
-    Attributes:
-        index: Position of this fetch in its epoch plan.
-        ranges: ``int64[k, 2]`` half-open cell ranges ``[start, stop)``, in read order.
-        shuffle_seed: Seed of the in-memory cell shuffle of this chunk; ``None`` keeps the
-            cells in range order.
-    """
-
-    index: int
-    ranges: np.ndarray
-    shuffle_seed: int | None = None
-
-    @property
-    def n_cells(self) -> int:
-        return int((self.ranges[:, 1] - self.ranges[:, 0]).sum())
-
-    def cell_ids(self) -> np.ndarray:
-        """The cells of this fetch in read order (before any shuffle)."""
-        return expand(self.ranges[:, 0], self.ranges[:, 1] - self.ranges[:, 0])
-
-    def __repr__(self) -> str:
-        spans = ", ".join(f"[{a}, {b})" for a, b in self.ranges[:4].tolist())
-        more = f", ... {len(self.ranges) - 4} more" if len(self.ranges) > 4 else ""
-        return f"Fetch(index={self.index}, cells={self.n_cells}, ranges={spans}{more})"
-
-
-class Plan(Sequence[Fetch]):
-    """An epoch's ordered fetches. Subclasses build fetches lazily from index arithmetic."""
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def fetch(self, index: int) -> Fetch:
-        raise NotImplementedError
-
-    @overload
-    def __getitem__(self, index: int) -> Fetch: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[Fetch]: ...
-    def __getitem__(self, index: int | slice) -> Fetch | Sequence[Fetch]:
-        if isinstance(index, slice):
-            return [self.fetch(i) for i in range(*index.indices(len(self)))]
-        if index < 0:
-            index += len(self)
-        if not 0 <= index < len(self):
-            raise IndexError(f"fetch index {index} out of range for a plan of {len(self)}")
-        return self.fetch(index)
-
-    @property
-    def n_cells(self) -> int:
-        """Cells delivered by the whole plan (sum over fetches)."""
-        return int(self.fetch_sizes().sum())
-
-    def fetch_sizes(self) -> np.ndarray:
-        """``int64[len(self)]`` cells per fetch. Subclasses compute it without building fetches
-        (sharding among ranks needs every size up front)."""
-        return np.array([f.n_cells for f in self], dtype=np.int64)
-
-
-@runtime_checkable
-class Sampler(Protocol):
-    """Turns ``(n_cells, seed, epoch)`` into a :class:`Plan`."""
-
-    def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
-        """The fetches of one epoch; the same arguments always give the same plan."""
-        ...
+__all__ = [
+    "Fetch",
+    "MinibatchFetches",
+    "Plan",
+    "Sampler",
+    "array_digest",
+    "bind_batch_size",
+    "derive_seed",
+    "shuffle_order",
+]
 
 
 class MinibatchFetches:
@@ -130,6 +70,24 @@ def bind_batch_size(sampler: Sampler, batch_size: int) -> Sampler:
     """``sampler`` planning for the loader's ``batch_size`` (unchanged if it does not care)."""
     bind = getattr(sampler, "with_batch_size", None)
     return sampler if bind is None else bind(batch_size)
+
+
+def array_digest(values: np.ndarray) -> str:
+    """A short content hash, so ``repr`` (recorded in checkpoints) tells arrays apart."""
+    values = np.ascontiguousarray(values)
+    return f"{len(values)}x{values.dtype}:{hashlib.blake2b(values.data, digest_size=6).hexdigest()}"
+
+
+def shuffle_order(n: int, seed: int | None) -> np.ndarray:
+    """The in-memory order of a fetch of ``n`` cells shuffled with ``seed``.
+
+    Output position ``j`` holds read-order cell ``[j]``; ``seed=None`` keeps read order. The
+    chunk stage applies it, and the partition among ranks uses it to know which cells a rank
+    has consumed.
+    """
+    if seed is None:
+        return np.arange(n, dtype=np.int64)
+    return np.random.default_rng(seed).permutation(n).astype(np.int64)
 
 
 def derive_seed(*parts: int) -> int:

@@ -10,54 +10,16 @@ Small blocks and a large fetch factor give minibatches close to uniform random s
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 
-from slafload.ranges import expand
+from slafload._validate import check_int
+from slafload.ranges import block_ranges
 from slafload.samplers.base import Fetch, MinibatchFetches, Plan, derive_seed
 from slafload.samplers.feistel import FeistelPermutation
 
-__all__ = ["BlockShuffle", "block_ranges", "expand_ranges", "merge_ranges"]
-
-
-def expand_ranges(ranges: np.ndarray) -> np.ndarray:
-    """Every integer of ``int64[k, 2]`` half-open ranges, in range order."""
-    return expand(ranges[:, 0], ranges[:, 1] - ranges[:, 0])
-
-
-def block_ranges(blocks: np.ndarray, block_size: int, n_cells: int) -> np.ndarray:
-    """``int64[k, 2]`` cell ranges of block ids, sorted by position, adjacent blocks merged."""
-    starts = np.asarray(blocks, dtype=np.int64) * block_size
-    return merge_ranges(starts, np.minimum(starts + block_size, n_cells))
-
-
-def merge_ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """Ranges sorted by start, with touching ranges merged into one, as ``int64[k, 2]``.
-
-    Repeated ranges (sampling with replacement) stay separate, repeated ranges.
-    """
-    order = np.argsort(starts, kind="stable")
-    starts, stops = starts[order], stops[order]
-    if len(starts) == 0:
-        return np.zeros((0, 2), dtype=np.int64)
-    new_run = np.ones(len(starts), dtype=bool)
-    new_run[1:] = starts[1:] != stops[:-1]
-    first = np.flatnonzero(new_run)
-    last = np.append(first[1:], len(starts)) - 1
-    return np.stack([starts[first], stops[last]], axis=1).astype(np.int64)
-
-
-def array_digest(values: np.ndarray) -> str:
-    """A short content hash, so ``repr`` (recorded in checkpoints) tells arrays apart."""
-    values = np.ascontiguousarray(values)
-    return f"{len(values)}x{values.dtype}:{hashlib.blake2b(values.data, digest_size=6).hexdigest()}"
-
-
-def check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+__all__ = ["BlockShuffle"]
 
 
 class _BlockPlan(Plan):
@@ -119,10 +81,9 @@ class BlockShuffle(MinibatchFetches):
     batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        check_positive("block_size", self.block_size)
-        check_positive("fetch_factor", self.fetch_factor)
-        if self.batch_size is not None:
-            check_positive("batch_size", self.batch_size)
+        check_int("block_size", self.block_size)
+        check_int("fetch_factor", self.fetch_factor)
+        check_int("batch_size", self.batch_size, none_ok=True)
 
     @property
     def blocks_per_fetch(self) -> int:

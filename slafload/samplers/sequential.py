@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from slafload._validate import check_int
 from slafload.samplers.base import Fetch, Plan, derive_seed
 
 
@@ -42,11 +43,6 @@ def _n_chunks(n_cells: int, chunk_cells: int) -> int:
     return -(-n_cells // chunk_cells)
 
 
-def _check_chunk_cells(chunk_cells: int) -> None:
-    if not isinstance(chunk_cells, int) or chunk_cells < 1:
-        raise ValueError(f"chunk_cells must be a positive integer, got {chunk_cells!r}")
-
-
 @dataclass(frozen=True)
 class Streaming:
     """Storage order, no shuffling: chunks of ``chunk_cells`` consecutive cells, in order.
@@ -57,7 +53,7 @@ class Streaming:
     chunk_cells: int = 2048
 
     def __post_init__(self) -> None:
-        _check_chunk_cells(self.chunk_cells)
+        check_int("chunk_cells", self.chunk_cells)
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
         order = np.arange(_n_chunks(n_cells, self.chunk_cells), dtype=np.int64)
@@ -77,7 +73,7 @@ class ChunkShuffle:
     chunk_cells: int = 2048
 
     def __post_init__(self) -> None:
-        _check_chunk_cells(self.chunk_cells)
+        check_int("chunk_cells", self.chunk_cells)
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
         rng = np.random.default_rng(derive_seed(seed, epoch, 0))

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from slafload.samplers.base import Fetch, Plan, Sampler, bind_batch_size
-from slafload.samplers.block import array_digest, expand_ranges
+from slafload.ranges import expand_ranges
+from slafload.samplers.base import Fetch, Plan, Sampler, array_digest, bind_batch_size
 
 if TYPE_CHECKING:
     import polars as pl

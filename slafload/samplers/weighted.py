@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from slafload.samplers.base import Fetch, MinibatchFetches, Plan, derive_seed
-from slafload.samplers.block import array_digest, check_positive, merge_ranges
+from slafload._validate import check_int
+from slafload.ranges import merge_ranges
+from slafload.samplers.base import Fetch, MinibatchFetches, Plan, array_digest, derive_seed
 
 if TYPE_CHECKING:
     from slafload.dataset import SlafDataset
@@ -95,11 +96,9 @@ class Weighted(MinibatchFetches):
         object.__setattr__(self, "weights", w)
         object.__setattr__(self, "digest", array_digest(w))
         for name in ("block_size", "fetch_factor"):
-            check_positive(name, getattr(self, name))
-        if self.batch_size is not None:
-            check_positive("batch_size", self.batch_size)
-        if self.n_draws is not None:
-            check_positive("n_draws", self.n_draws)
+            check_int(name, getattr(self, name))
+        check_int("batch_size", self.batch_size, none_ok=True)
+        check_int("n_draws", self.n_draws, none_ok=True)
 
     @classmethod
     def from_categories(

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from slafload.rank import RankedChunk
 from slafload.tokenizers import GENE_OFFSET, PAD
+from slafload.types import RankedChunk
 
 __all__ = ["GeneCountPairs"]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""The producer's read-ahead: later fetches are read while the current one is computed."""
+"""The chain of stages: read-ahead reads later fetches while the current one is computed;
+failures keep their place in the order; the chain names every stage."""
 
 from __future__ import annotations
 
@@ -6,16 +7,28 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
-import slafload.pipeline
+import slafload.chain
 from slafload import Loader, open_dataset
+from slafload.chain import ChainSpec, build_chain
+from slafload.chunk import Assemble, Shuffle, Split, Transform
 from slafload.config import LoaderConfig
-from slafload.pipeline import Pipeline
+from slafload.epochs import Run
+from slafload.partition import RankShare
+from slafload.read import Read, RetryingReader
 from slafload.reader import Reader
-from slafload.retry import RetryingReader
 from slafload.samplers import BlockShuffle, ChunkShuffle, Streaming
-from slafload.shard import RankStream
+from slafload.stage import Stage
 from slafload.tokenizers import Geneformer
+
+
+def pieces(ds, config, reader):
+    """The chain up to compute pieces, as the loader builds it, for epoch 0 of one rank."""
+    run = Run(ChainSpec(ds, Geneformer(max_genes=8), config), Streaming(chunk_cells=32))
+    parts = run.share(0).parts()
+    chunks = Transform(Shuffle(Assemble(Read(parts, reader, read_ahead=config.read_ahead), ds)), ())
+    return Split(chunks, config.piece_cells)
 
 
 class RecordingReader(Reader):
@@ -43,10 +56,9 @@ def test_the_next_fetches_are_read_before_the_current_one_is_computed(
 ):
     ds = open_dataset(small_slaf)
     config = LoaderConfig(chunk_cells=32, read_ahead=read_ahead)
-    pipeline = Pipeline(ds, Streaming(chunk_cells=32), Geneformer(max_genes=8), config)
     events: list[tuple[str, int]] = []
     reader = RetryingReader(RecordingReader(ds, events), config.retry)
-    for piece in pipeline.pieces(pipeline.stream(0).parts(0, 0, 1), reader):
+    for piece in pieces(ds, config, reader):
         np.testing.assert_array_equal(piece.cell_ids // 32, piece.fetch_index)
         events.append(("piece", piece.fetch_index))
     log = [f"{kind} {index}" for kind, index in events]
@@ -57,7 +69,7 @@ def test_the_next_fetches_are_read_before_the_current_one_is_computed(
 @pytest.mark.parametrize("read_ahead", [0, 1, 3])
 @pytest.mark.parametrize(
     "sampler",
-    [ChunkShuffle(chunk_cells=48), BlockShuffle(block_size=4, fetch_factor=3, batch_size=16)],
+    [ChunkShuffle(chunk_cells=48), BlockShuffle(block_size=4, fetch_factor=3)],
     ids=["chunk", "block"],
 )
 def test_read_ahead_changes_nothing_the_consumer_sees(small_slaf, sampler, read_ahead):
@@ -93,7 +105,7 @@ def test_a_failed_read_ahead_is_retried_when_its_turn_comes(small_slaf, monkeypa
                 raise OSError("injected fault while reading ahead")
             yield from super().read(fetch)
 
-    monkeypatch.setattr(slafload.pipeline, "Reader", FailsOnce)
+    monkeypatch.setattr(slafload.chain, "Reader", FailsOnce)
     with Loader(small_slaf, batch_size=16, chunk_cells=32, shuffle=False) as loader:
         ids = np.concatenate([b["cell_integer_id"].numpy() for b in loader])
     np.testing.assert_array_equal(ids, np.arange(300))
@@ -107,20 +119,53 @@ def test_read_ahead_is_validated(bad):
 
 
 def test_a_failure_to_plan_a_later_fetch_comes_after_the_earlier_fetches(small_slaf, monkeypatch):
-    part = RankStream.part
+    part = RankShare.part
 
     def failing_part(self, j, rank):
         if j == 2:
             raise RuntimeError("planning fetch 2 failed")
         return part(self, j, rank)
 
-    monkeypatch.setattr(RankStream, "part", failing_part)
+    monkeypatch.setattr(RankShare, "part", failing_part)
     ds = open_dataset(small_slaf)
     config = LoaderConfig(chunk_cells=32, read_ahead=2)
-    pipeline = Pipeline(ds, Streaming(chunk_cells=32), Geneformer(max_genes=8), config)
     reader = RetryingReader(Reader(ds), config.retry)
     got = []
     with pytest.raises(RuntimeError, match="planning fetch 2 failed"):
-        for piece in pipeline.pieces(pipeline.stream(0).parts(0, 0, 1), reader):
+        for piece in pieces(ds, config, reader):
             got.append(piece.fetch_index)
     assert got == [0, 1]
+
+
+STAGES = ["read", "assemble", "shuffle", "transform", "split", "rank", "tokenize", "batch"]
+
+
+def test_one_function_builds_the_chain_naming_every_stage_in_order(small_slaf):
+    ds = open_dataset(small_slaf)
+    run = Run(ChainSpec(ds, Geneformer(max_genes=8), LoaderConfig()), Streaming(chunk_cells=32))
+    built, closed = [], []
+
+    class Observed(Stage):
+        def __init__(self, name, stage):
+            super().__init__(stage)
+            self.name = name
+
+        def __next__(self):
+            return next(self.source)
+
+        def close(self):
+            closed.append(self.name)
+            super().close()
+
+    def observe(name, stage):
+        built.append(name)
+        return Observed(name, stage)
+
+    chain = build_chain(run.spec, run.share(0).parts(), observe=observe)
+    assert built == [*STAGES, "to_torch"]
+    first = next(chain)
+    assert isinstance(first["input_ids"], torch.Tensor) and len(first["cell_integer_id"]) == 32
+    chain.close()  # mid-epoch: every stage is closed, from the last back to the first
+    assert closed == ["to_torch", *reversed(STAGES)]
+    with Loader(small_slaf, max_genes=8, chunk_cells=32, shuffle=False) as loader:
+        np.testing.assert_array_equal(first["input_ids"].numpy(), next(iter(loader))["input_ids"])

@@ -1,5 +1,7 @@
 """Stage 5: rank each cell's genes by expression with a Polars window function.
 
+(Gene *ranking*; the partition of epochs among distributed ranks is :mod:`slafload.partition`.)
+
 Within every cell the expressed genes (value > 0) are ordered by value, highest first, ties
 broken by gene id ascending. The whole chunk is ranked in one Polars window
 expression (``struct(gene, value).sort_by(value).over(cell)``) running in Rust with the GIL
@@ -10,68 +12,14 @@ The result keeps the chunk's CSR layout, so a cell's ranked genes are contiguous
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from collections.abc import Iterator
 
 import numpy as np
 import polars as pl
-from polars.lazyframe.in_process import InProcessQuery
 
-from slafload.chunk import Chunk
-
-
-@dataclass(frozen=True, eq=False)
-class RankedChunk(Chunk):
-    """A chunk whose cells' genes are sorted by expression; the input of every tokenizer.
-
-    Same fields as :class:`~slafload.chunk.Chunk`, but only expressed genes (value > 0) are
-    kept and, within each cell, ``genes``/``values`` are in rank order: highest value first,
-    ties by gene id. Cells stay in read order; tokenizers write cell ``i`` to output row
-    ``row_of_cell[i]`` using the helpers below, so they never loop over cells.
-    """
-
-    @cached_property
-    def lengths(self) -> np.ndarray:
-        """``int64[n]`` number of expressed genes of each cell (read order)."""
-        return np.diff(self.indptr)
-
-    @cached_property
-    def row_of_cell(self) -> np.ndarray:
-        """``int64[n]`` output row of each cell (the inverse of ``order``)."""
-        rows = np.empty(self.n_cells, dtype=np.int64)
-        rows[self.order] = np.arange(self.n_cells, dtype=np.int64)
-        return rows
-
-    @cached_property
-    def entry_cell(self) -> np.ndarray:
-        """Read-order cell index of every entry."""
-        return np.repeat(np.arange(self.n_cells, dtype=np.int64), self.lengths)
-
-    @cached_property
-    def entry_rank(self) -> np.ndarray:
-        """0-based rank of every entry within its cell."""
-        return np.arange(len(self.genes), dtype=np.int64) - np.repeat(
-            self.indptr[:-1], self.lengths
-        )
-
-    @cached_property
-    def entry_row(self) -> np.ndarray:
-        """Output row of every entry."""
-        return self.row_of_cell[self.entry_cell]
-
-    @property
-    def output_cell_ids(self) -> np.ndarray:
-        """``int64[n]`` the cell id of each output row."""
-        return self.cell_ids[self.order]
-
-    def output_lengths(self, limit: int | None = None) -> np.ndarray:
-        """Expressed genes per output row, capped at ``limit``."""
-        lengths = self.lengths[self.order]
-        return lengths if limit is None else np.minimum(lengths, limit)
-
-    def top(self, limit: int) -> np.ndarray:
-        """Boolean mask of the entries ranked below ``limit`` in their cell."""
-        return self.entry_rank < limit
+from slafload._compat import BackgroundQuery, collect_in_background
+from slafload.stage import Stage
+from slafload.types import Chunk, RankedChunk
 
 
 def rank(chunk: Chunk) -> RankedChunk:
@@ -92,7 +40,7 @@ class PendingRank:
         indptr: np.ndarray,
         genes: np.ndarray,
         values: np.ndarray,
-        query: InProcessQuery | None,
+        query: BackgroundQuery | None,
     ):
         self._chunk, self._indptr, self._query = chunk, indptr, query
         self._genes, self._values = genes, values
@@ -138,6 +86,44 @@ def start_rank(chunk: Chunk) -> PendingRank:
             .alias("ranked")
         )
         .unnest("ranked")
-        .collect(background=True)
     )
-    return PendingRank(chunk, indptr, genes, values, query)
+    return PendingRank(chunk, indptr, genes, values, collect_in_background(query))
+
+
+class RankGenes(Stage[RankedChunk]):
+    """Each piece with its genes ranked, ``lookahead`` pieces ranking ahead on Polars' threads.
+
+    With one piece of lookahead, Polars ranks piece ``i + 1`` while the tokenizer (numpy, this
+    thread) works on piece ``i``, so both cores work. If pulling the next piece fails, the
+    pieces already being ranked are handed on first and the failure is raised after them.
+    """
+
+    def __init__(self, source: Iterator[Chunk], *, lookahead: int = 1):
+        super().__init__(source)
+        self.lookahead = lookahead
+        self._pending: list[PendingRank] = []
+        self._failure: BaseException | None = None
+
+    def __next__(self) -> RankedChunk:
+        while self._failure is None and len(self._pending) <= self.lookahead:
+            try:
+                piece = next(self.source)
+            except StopIteration:
+                break
+            except Exception as exc:  # deliver what was read before the failure, then raise
+                self._failure = exc
+                break
+            self._pending.append(start_rank(piece))
+        if self._pending:
+            return self._pending.pop(0).result()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        raise StopIteration
+
+    def close(self) -> None:
+        """Wait out rankings in flight (Polars must never send to nobody), close the source."""
+        pending, self._pending = self._pending, []
+        for ranking in pending:
+            ranking.discard()
+        super().close()

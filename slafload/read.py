@@ -1,4 +1,10 @@
-"""Stage 3b: retry a fetch after a transient storage failure, wrapping any reader.
+"""Stage 3: read each part's fetch whole, with retries and read-ahead.
+
+:class:`Read` is the stage: it starts the reads of the next ``read_ahead`` parts before it
+hands on the current one, so Lance decodes them on its own threads while the producer
+computes (scattered block reads cost about as much as the compute; see docs/sampling.md). It
+reads through a :class:`RetryingReader`, which wraps the Lance I/O of
+:class:`~slafload.reader.Reader`.
 
 Object stores and network filesystems fail transiently (timeouts, throttling, connection
 resets). :class:`RetryingReader` reads a fetch *whole* before handing on any of its rows, so a
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,8 +31,11 @@ import pyarrow as pa
 
 from slafload.config import RetryPolicy
 from slafload.errors import ReadError, SlafloadError
+from slafload.partition import Part
+from slafload.ranges import describe
 from slafload.reader import started
-from slafload.samplers import Fetch
+from slafload.stage import Stage
+from slafload.types import Fetch
 
 logger = logging.getLogger(__name__)
 
@@ -86,9 +96,10 @@ class RetryingReader:
 
         return PendingRead(self, fetch, started(first_attempt()))
 
-    def _complete(
+    def complete(
         self, fetch: Fetch, first_attempt: Iterator[pa.RecordBatch]
     ) -> list[pa.RecordBatch]:
+        """Every record batch of ``fetch``: the rest of ``first_attempt``, retried on failure."""
         policy = self.policy
         for attempt in range(1, policy.attempts + 1):
             try:
@@ -136,14 +147,9 @@ class RetryingReader:
             "LoaderConfig.retry.transient if it is worth retrying."
         )
         return ReadError(
-            f"Reading fetch {fetch.index} (cells {_spans(fetch)}) from {self.uri!r} {why}. {fix}"
+            f"Reading fetch {fetch.index} (cells {describe(fetch.ranges, 8)}) from {self.uri!r} "
+            f"{why}. {fix}"
         )
-
-
-def _spans(fetch: Fetch, limit: int = 8) -> str:
-    ranges = fetch.ranges.tolist()
-    spans = ", ".join(f"[{a}, {b})" for a, b in ranges[:limit])
-    return spans + (f", ... {len(ranges) - limit} more" if len(ranges) > limit else "")
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,4 +165,48 @@ class PendingRead:
 
         Call it once: the first attempt's stream is consumed by the first call.
         """
-        return iter(self.reader._complete(self.fetch, self.first_attempt))
+        return iter(self.reader.complete(self.fetch, self.first_attempt))
+
+
+class Read(Stage[tuple[Part, list[pa.RecordBatch]]]):
+    """Each part with every record batch of its fetch, ``read_ahead`` fetches started early.
+
+    A failure to plan a later part (pulling it from the source) is raised only when that
+    part's turn comes, after every batch of the parts before it; a failed read ahead is
+    retried, or raised, only when its turn comes too.
+    """
+
+    def __init__(self, source: Iterator[Part], reader: RetryingReader, *, read_ahead: int = 1):
+        super().__init__(source)
+        self.reader = reader
+        self.read_ahead = read_ahead
+        self._ahead: deque[tuple[Part, PendingRead]] = deque()
+        self._failure: Exception | None = None
+
+    def _start_until(self, n: int) -> None:
+        while self._failure is None and len(self._ahead) < n:
+            try:
+                part = next(self.source, None)
+            except Exception as exc:
+                self._failure = exc
+                return
+            if part is None:
+                return
+            self._ahead.append((part, self.reader.start(part.fetch)))
+
+    def __next__(self) -> tuple[Part, list[pa.RecordBatch]]:
+        self._start_until(1)
+        if not self._ahead:
+            if self._failure is not None:
+                failure, self._failure = self._failure, None
+                raise failure
+            raise StopIteration
+        part, pending = self._ahead.popleft()
+        batches = list(pending.result())
+        self._start_until(self.read_ahead)
+        return part, batches
+
+    def close(self) -> None:
+        """Drop the reads started ahead (Lance finishes them on its own threads)."""
+        self._ahead.clear()
+        super().close()

@@ -7,7 +7,7 @@ from conftest import random_counts, ranked_genes, write_dense
 
 from slafload import open_dataset
 from slafload.chunk import assemble, shuffle
-from slafload.rank import rank
+from slafload.ranking import rank
 from slafload.reader import Reader
 from slafload.samplers import Fetch
 

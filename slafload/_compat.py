@@ -1,0 +1,47 @@
+"""Every private or unstable API of pylance and Polars that slafload calls, fenced in one place.
+
+Both are used for speed, and both may change without notice; ``pyproject.toml`` bounds the
+versions they are known to work with, and CI runs the core tests against the lowest versions
+the bounds admit as well as the locked ones. When either library changes, only this module
+changes.
+
+- ``LanceDataset._ds.take_scan``: reads many row ranges in one call with read-ahead on Lance's
+  own threads (private; no public equivalent streams ranges in order).
+- ``LazyFrame.collect(background=True)``: runs a query on Polars' thread pool and returns a
+  handle (documented as unstable), so Polars ranks one piece while numpy tokenizes another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import lance
+import polars as pl
+import pyarrow as pa
+
+
+def take_scan(
+    dataset: lance.LanceDataset,
+    spans: Sequence[tuple[int, int]],
+    *,
+    columns: list[str],
+    batch_readahead: int,
+) -> Iterator[pa.RecordBatch]:
+    """One record batch per row span ``[start, stop)`` of ``dataset``, in request order."""
+    return iter(
+        dataset._ds.take_scan(list(spans), columns=columns, batch_readahead=batch_readahead)
+    )
+
+
+class BackgroundQuery(Protocol):
+    """A Polars query running on Polars' own threads."""
+
+    def fetch_blocking(self) -> pl.DataFrame:
+        """Wait for the query and return its result."""
+        ...
+
+
+def collect_in_background(query: pl.LazyFrame) -> BackgroundQuery:
+    """Start ``query`` on Polars' thread pool; the GIL is free while it runs."""
+    return query.collect(background=True)

@@ -1,0 +1,91 @@
+"""The chain of stages, built in one place for every front end.
+
+:func:`build_chain` names every stage in the order data flows through it::
+
+    parts -> Read -> Assemble -> Shuffle -> Transform -> Split -> RankGenes -> Tokenize
+          -> Batches -> ToTorch
+
+:class:`~slafload.Loader` (on its prefetch thread), the ``IterableDataset`` face and the
+benchmark's stage profile all run this same function; epochs and positions are the business
+of :mod:`slafload.epochs`, which builds one chain per epoch of a rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from slafload.batcher import Batches, ToTorch
+from slafload.chunk import Assemble, Shuffle, Split, Transform
+from slafload.config import LoaderConfig
+from slafload.dataset import SlafDataset
+from slafload.partition import Part
+from slafload.ranking import RankGenes
+from slafload.read import Read, RetryingReader
+from slafload.reader import Reader
+from slafload.stage import Stage
+from slafload.tokenize import Tokenize
+from slafload.types import Batch, ChunkTransform, Tokenizer
+
+Observe = Callable[[str, Stage[Any]], Stage[Any]]
+"""Wraps each stage as it is built, by name (the benchmark times stages this way)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ChainSpec:
+    """What the chain needs besides the parts to read; immutable for a loader's lifetime.
+
+    Attributes:
+        dataset: The pinned dataset.
+        tokenizer: Turns ranked pieces into arrays.
+        config: Loader settings (read, piece and batch sizes, retries, read-ahead).
+        transforms: Chunk transforms run before ranking, in order.
+        obs: Obs column name to ``int64`` code per cell, added to every batch.
+        pin_memory: Pin each batch's tensors on the producer thread.
+    """
+
+    dataset: SlafDataset
+    tokenizer: Tokenizer
+    config: LoaderConfig
+    transforms: tuple[ChunkTransform, ...] = ()
+    obs: Mapping[str, np.ndarray] = field(default_factory=dict)
+    pin_memory: bool = False
+
+
+def _as_is(name: str, stage: Stage[Any]) -> Stage[Any]:
+    return stage
+
+
+def build_chain(
+    spec: ChainSpec,
+    parts: Iterator[Part],
+    *,
+    sleep: Callable[[float], object] = time.sleep,
+    observe: Observe = _as_is,
+) -> Stage[Batch]:
+    """The stages that turn ``parts`` (a rank's share of an epoch) into torch batches.
+
+    Args:
+        spec: Dataset, tokenizer, settings.
+        parts: The parts to deliver, in order (:meth:`slafload.partition.RankShare.parts`).
+        sleep: Waits between read retries; the prefetcher passes one that a stop request
+            interrupts.
+        observe: Called with each stage's name as it is built; returns the stage to use.
+    """
+    cfg, ds = spec.config, spec.dataset
+    reader = RetryingReader(
+        Reader(ds, batch_rows=cfg.read_batch_rows), cfg.retry, uri=ds.uri, sleep=sleep
+    )
+    s: Stage[Any] = observe("read", Read(parts, reader, read_ahead=cfg.read_ahead))
+    s = observe("assemble", Assemble(s, ds))
+    s = observe("shuffle", Shuffle(s))
+    s = observe("transform", Transform(s, spec.transforms))
+    s = observe("split", Split(s, cfg.piece_cells))
+    s = observe("rank", RankGenes(s, lookahead=1))
+    s = observe("tokenize", Tokenize(s, spec.tokenizer, spec.obs))
+    s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last))
+    return observe("to_torch", ToTorch(s, pin_memory=spec.pin_memory))

@@ -1,0 +1,219 @@
+"""The contracts between stages, in one place.
+
+Data flows one way through these types::
+
+    Sampler --plan--> Plan of Fetch --read--> Chunk --rank--> RankedChunk --Tokenizer--> Arrays
+                                             (ChunkTransform: Chunk -> Chunk, before ranking)
+    Arrays --batch--> Batch (torch tensors)
+
+Every type here is a frozen dataclass or a ``Protocol``: stages exchange values, never
+mutate what they were given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Protocol, overload, runtime_checkable
+
+import numpy as np
+
+from slafload.ranges import describe, expand
+
+if TYPE_CHECKING:
+    import torch
+
+Arrays = dict[str, np.ndarray]
+"""Row-aligned numpy arrays: a tokenizer's output, then a training batch before torch."""
+
+Batch = dict[str, "torch.Tensor"]
+"""A training batch as the consumer receives it: names to tensors of ``batch_size`` rows."""
+
+
+# -- sampling: which cells, in which order ---------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Fetch:
+    """One prefetch chunk: cell ranges to read together, and how to order them in memory.
+
+    Attributes:
+        index: Position of this fetch in its epoch plan.
+        ranges: ``int64[k, 2]`` half-open cell ranges ``[start, stop)``, in read order.
+        shuffle_seed: Seed of the in-memory cell shuffle of this chunk; ``None`` keeps the
+            cells in range order.
+    """
+
+    index: int
+    ranges: np.ndarray
+    shuffle_seed: int | None = None
+
+    @property
+    def n_cells(self) -> int:
+        """Cells of the fetch."""
+        return int((self.ranges[:, 1] - self.ranges[:, 0]).sum())
+
+    def cell_ids(self) -> np.ndarray:
+        """The cells of this fetch in read order (before any shuffle)."""
+        return expand(self.ranges[:, 0], self.ranges[:, 1] - self.ranges[:, 0])
+
+    def __repr__(self) -> str:
+        return f"Fetch(index={self.index}, cells={self.n_cells}, ranges={describe(self.ranges)})"
+
+
+class Plan(Sequence[Fetch]):
+    """An epoch's ordered fetches. Subclasses build fetches lazily from index arithmetic."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def fetch(self, index: int) -> Fetch:
+        """Fetch ``index`` (``0 <= index < len(self)``), computed on demand."""
+        raise NotImplementedError
+
+    @overload
+    def __getitem__(self, index: int) -> Fetch: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Fetch]: ...
+    def __getitem__(self, index: int | slice) -> Fetch | Sequence[Fetch]:
+        if isinstance(index, slice):
+            return [self.fetch(i) for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"fetch index {index} out of range for a plan of {len(self)}")
+        return self.fetch(index)
+
+    @property
+    def n_cells(self) -> int:
+        """Cells delivered by the whole plan (sum over fetches)."""
+        return int(self.fetch_sizes().sum())
+
+    def fetch_sizes(self) -> np.ndarray:
+        """``int64[len(self)]`` cells per fetch.
+
+        Subclasses compute it without building fetches (partitioning among ranks needs every
+        size up front).
+        """
+        return np.array([f.n_cells for f in self], dtype=np.int64)
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    """Turns ``(n_cells, seed, epoch)`` into a :class:`Plan`."""
+
+    def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The fetches of one epoch; the same arguments always give the same plan."""
+        ...
+
+
+# -- chunks: whole cells in memory -----------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Chunk:
+    """All expression rows of a set of whole cells, in CSR layout.
+
+    Attributes:
+        fetch_index: Index of the fetch this chunk was read for.
+        cell_ids: ``int64[n]`` cell ids in read order.
+        indptr: ``int64[n + 1]`` offsets: cell ``i``'s rows are ``indptr[i]:indptr[i + 1]``.
+        genes: Gene ids of the rows (the table's integer dtype), ascending within a cell.
+        values: Expression values of the rows (the table's numeric dtype).
+        order: ``int64[n]`` output order: output row ``j`` is chunk cell ``order[j]``.
+    """
+
+    fetch_index: int
+    cell_ids: np.ndarray
+    indptr: np.ndarray
+    genes: np.ndarray
+    values: np.ndarray
+    order: np.ndarray
+
+    @property
+    def n_cells(self) -> int:
+        """Cells of the chunk."""
+        return len(self.cell_ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``int64[n]`` rows of each cell (read order)."""
+        return np.diff(self.indptr)
+
+
+@dataclass(frozen=True, eq=False)
+class RankedChunk(Chunk):
+    """A chunk whose cells' genes are sorted by expression; the input of every tokenizer.
+
+    Same fields as :class:`Chunk`, but only expressed genes (value > 0) are kept and, within
+    each cell, ``genes``/``values`` are in rank order: highest value first, ties by gene id.
+    Cells stay in read order; tokenizers write cell ``i`` to output row ``row_of_cell[i]``
+    using the properties below, so they never loop over cells.
+    """
+
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """``int64[n]`` number of expressed genes of each cell (read order)."""
+        return np.diff(self.indptr)
+
+    @cached_property
+    def row_of_cell(self) -> np.ndarray:
+        """``int64[n]`` output row of each cell (the inverse of ``order``)."""
+        rows = np.empty(self.n_cells, dtype=np.int64)
+        rows[self.order] = np.arange(self.n_cells, dtype=np.int64)
+        return rows
+
+    @cached_property
+    def entry_cell(self) -> np.ndarray:
+        """Read-order cell index of every entry."""
+        return np.repeat(np.arange(self.n_cells, dtype=np.int64), self.lengths)
+
+    @cached_property
+    def entry_rank(self) -> np.ndarray:
+        """0-based rank of every entry within its cell."""
+        return np.arange(len(self.genes), dtype=np.int64) - np.repeat(
+            self.indptr[:-1], self.lengths
+        )
+
+    @cached_property
+    def entry_row(self) -> np.ndarray:
+        """Output row of every entry."""
+        return self.row_of_cell[self.entry_cell]
+
+    @property
+    def output_cell_ids(self) -> np.ndarray:
+        """``int64[n]`` the cell id of each output row."""
+        return self.cell_ids[self.order]
+
+    def output_lengths(self, limit: int | None = None) -> np.ndarray:
+        """Expressed genes per output row, capped at ``limit``."""
+        lengths = self.lengths[self.order]
+        return lengths if limit is None else np.minimum(lengths, limit)
+
+    def top(self, limit: int) -> np.ndarray:
+        """Boolean mask of the entries ranked below ``limit`` in their cell."""
+        return self.entry_rank < limit
+
+
+class ChunkTransform(Protocol):
+    """Rewrites a shuffled chunk before ranking (value normalisation, gene remapping).
+
+    It must keep the chunk's cells and their order; it may change, drop or reorder rows
+    within a cell (genes must stay ascending within a cell).
+    """
+
+    def __call__(self, chunk: Chunk, /) -> Chunk: ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Maps a :class:`RankedChunk` to equal-length numpy arrays.
+
+    Every returned array has ``ranked.n_cells`` rows, row ``j`` describing output cell
+    ``ranked.order[j]``. Implementations must be vectorized over the chunk.
+    """
+
+    name: str
+
+    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]: ...
