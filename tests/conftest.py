@@ -24,12 +24,24 @@ def csr_from_dense(dense: np.ndarray) -> CsrBlock:
     return CsrBlock(indptr, cols, dense[rows, cols])
 
 
-def unsorted_csr(dense: np.ndarray, *, seed: int = 0) -> CsrBlock:
-    """Like :func:`csr_from_dense`, but each cell's genes in a seeded random order."""
+def unsorted_csr(dense: np.ndarray, *, seed: int = 0, duplicates: bool = False) -> CsrBlock:
+    """Like :func:`csr_from_dense`, but each cell's genes in a seeded random order.
+
+    ``duplicates``: about half the values >= 2 are stored as two entries that sum to them.
+    """
     block = csr_from_dense(dense)
+    rng = np.random.default_rng(seed)
     cell = np.repeat(np.arange(block.n_cells), np.diff(block.indptr))
-    order = np.lexsort((np.random.default_rng(seed).random(len(cell)), cell))
-    return CsrBlock(block.indptr, block.genes[order], block.values[order])
+    genes, values = block.genes, block.values.copy()
+    if duplicates:
+        split = np.flatnonzero((values >= 2) & (rng.random(len(values)) < 0.5))
+        half = values[split] // 2
+        values[split] -= half
+        cell, genes = np.concatenate([cell, cell[split]]), np.concatenate([genes, genes[split]])
+        values = np.concatenate([values, half])
+    order = np.lexsort((rng.random(len(cell)), cell))
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(cell, minlength=block.n_cells))])
+    return CsrBlock(indptr, genes[order], values[order])
 
 
 def random_counts(
