@@ -178,6 +178,7 @@ def read_pbmc68k():
     path = pbmc68k_path()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ad.OldFormatWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # anndata moving old-format elements
         return ad.read_h5ad(path)
 
 
