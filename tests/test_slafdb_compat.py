@@ -27,7 +27,7 @@ from conftest import (
     write_dense,
 )
 
-from slafload import Loader
+from slafload import InconsistentDataError, Loader, open_dataset
 
 slaf = pytest.importorskip("slaf")
 pytest.importorskip("psutil")  # without it slafdb's loader silently yields nothing
@@ -182,7 +182,13 @@ def test_the_real_pbmc68k_file_converted_by_slafdb_loads_end_to_end(tmp_path):
     expression = adata.raw.X
     assert not expression.has_sorted_indices
     # slafdb takes cell_start_index from an obs "n_genes" column when there is one; here it
-    # counts genes before the file was subset to 765, so slafdb would write wrong offsets.
+    # counts genes before the file was subset to 765, so slafdb writes wrong offsets.
+    (tmp_path / "as_is").mkdir()
+    as_is = slafdb_convert(
+        ad.AnnData(expression, obs=adata.obs, var=adata.raw.var), tmp_path / "as_is"
+    )
+    with pytest.raises(InconsistentDataError, match=r"of cell 148 breaks this.*'n_genes'"):
+        open_dataset(as_is)
     obs = adata.obs.drop(columns="n_genes")
     path = slafdb_convert(ad.AnnData(expression, obs=obs, var=adata.raw.var), tmp_path)
     assert not stored_genes_ascend(path)
