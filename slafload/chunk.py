@@ -5,7 +5,9 @@ A :class:`~slafload.types.Chunk` holds every expression row of its cells as flat
 in CSR layout.
 It is built from exactly the rows of one fetch, so a cell never straddles two chunks, and the
 rows are checked against the cell ranges they were read for: data that contradicts
-``cell_start_index`` or its sort order fails loudly here rather than silently shifting cells.
+``cell_start_index`` or its cell order fails loudly here rather than silently shifting cells.
+Genes may be stored in any order within a cell; the chunk sorts them (see
+:func:`sort_genes_within_cells`), so every later stage sees them ascending.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ def assemble(
     ``n_genes`` (the ``genes`` table's row count), when given, bounds the gene ids.
 
     Raises:
-        InconsistentDataError: the rows do not belong to the fetch's cells in order, a cell's
-            genes are not strictly ascending, a gene id is ``>= n_genes``, or a value is
-            negative or NaN.
+        InconsistentDataError: the rows do not belong to the fetch's cells in order, a gene id
+            is ``>= n_genes``, or a value is negative or NaN.
+
+    Genes may be stored in any order within a cell: see :func:`sort_genes_within_cells`.
     """
     cell_ids = fetch.cell_ids()
     lengths = cell_start[cell_ids + 1] - cell_start[cell_ids]
@@ -77,10 +80,10 @@ def assemble(
             f"cell_start_index places it in cell {expected[bad]}. Expression rows must be "
             "sorted by cell_integer_id and agree with cells.cell_start_index."
         )
-    _check_genes_ascending(genes, indptr, cell_ids, where)
     if n_genes is not None:
         _check_gene_range(genes, n_genes, indptr, cell_ids, where)
     _check_values(values, where)
+    indptr, genes, values = sort_genes_within_cells(indptr, genes, values)
     return Chunk(
         fetch.index, cell_ids, indptr, genes, values, np.arange(len(cell_ids), dtype=np.int64)
     )
@@ -123,24 +126,60 @@ def _column(table: pa.Table, name: str) -> np.ndarray:
     return column.combine_chunks().to_numpy(zero_copy_only=False)
 
 
-def _check_genes_ascending(
-    genes: np.ndarray, indptr: np.ndarray, cell_ids: np.ndarray, where: str
-) -> None:
+def sort_genes_within_cells(
+    indptr: np.ndarray, genes: np.ndarray, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR rows with every cell's genes strictly ascending: ``(indptr, genes, values)``.
+
+    SLAF does not order genes within a cell (slafdb's converter keeps the input's order), but
+    ranking breaks ties by gene id through that order. One vectorized pass finds the cells
+    whose genes do not strictly ascend; only their rows are sorted (by cell, then gene), and
+    duplicate ``(cell, gene)`` entries are then summed, as scipy does. Data that is already
+    strictly ascending comes back as is (the same arrays), having paid that one pass only.
+    Integer sums that overflow the value dtype widen it to 64 bits.
+    """
+    steps = _unordered_steps(genes, indptr)
+    if not len(steps):
+        return indptr, genes, values
+    if (genes[steps + 1] < genes[steps]).any():
+        cells = np.unique(np.searchsorted(indptr, steps, side="right") - 1)
+        genes, values = _sort_cells(indptr, genes, values, cells)
+        steps = _unordered_steps(genes, indptr)  # what is left are duplicates
+    if not len(steps):
+        return indptr, genes, values
+    keep = np.ones(len(genes), dtype=bool)
+    keep[steps + 1] = False
+    first = np.flatnonzero(keep)
+    kind = values.dtype.kind
+    wide = np.add.reduceat(values, first, dtype={"u": np.uint64, "i": np.int64}.get(kind))
+    fits = kind == "f" or wide.max() <= np.iinfo(values.dtype).max
+    indptr = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])[indptr]
+    return indptr, genes[first], wide.astype(values.dtype) if fits else wide
+
+
+def _unordered_steps(genes: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    """Rows ``i`` whose successor, in the same cell, does not have a larger gene id."""
     step_ok = genes[1:] > genes[:-1]
     if step_ok.all():
-        return
+        return np.zeros(0, dtype=np.int64)
     # A step may only go down where a new cell starts.
     boundary = np.zeros(len(genes) - 1, dtype=bool)
     starts = indptr[1:-1]
     boundary[starts[(starts > 0) & (starts < len(genes))] - 1] = True
-    bad = np.flatnonzero(~step_ok & ~boundary)
-    if len(bad):
-        cell = cell_ids[np.searchsorted(indptr, bad[0], side="right") - 1]
-        raise InconsistentDataError(
-            f"{where}: the genes of cell {cell} are not strictly ascending (gene "
-            f"{genes[bad[0] + 1]} follows {genes[bad[0]]}). Expression rows must be sorted by "
-            "cell then gene, with no duplicate (cell, gene) pairs."
-        )
+    return np.flatnonzero(~step_ok & ~boundary)
+
+
+def _sort_cells(
+    indptr: np.ndarray, genes: np.ndarray, values: np.ndarray, cells: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Copies of ``genes``/``values`` with the rows of ``cells`` sorted by gene in each cell."""
+    lengths = indptr[cells + 1] - indptr[cells]
+    rows = expand(indptr[cells], lengths)
+    local = np.repeat(np.arange(len(cells), dtype=np.int64), lengths)
+    order = rows[np.lexsort((genes[rows], local))]
+    genes, values = genes.copy(), values.copy()  # Arrow-backed arrays are read-only
+    genes[rows], values[rows] = genes[order], values[order]
+    return genes, values
 
 
 def _check_gene_range(

@@ -10,7 +10,11 @@ the obs/var tables whatever the file size.
 
 Files are opened with ``h5py`` and read with ``anndata.io`` (``read_elem`` for obs/var,
 ``sparse_dataset`` for matrices) rather than ``read_h5ad(backed="r")``, which loads every layer,
-``obsm`` and ``obsp`` into memory.
+``obsm`` and ``obsp`` into memory. Files in the pre-0.7 format, which ``anndata.io`` cannot read
+piecewise, are read whole with ``read_h5ad``.
+
+Within a cell, genes are written strictly ascending, and duplicate entries summed (scipy's
+``sum_duplicates``), whatever the input's CSR index order.
 
 Value storage: integer-valued, non-negative data (integer dtypes, or floats holding whole
 numbers as many count matrices do) is stored as ``uint16`` when the maximum fits, else
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -143,6 +148,11 @@ def _convert(
     var = sources[0].var
     for source in sources[1:]:
         _check_same_var(sources[0], source)
+    if not sum(s.n_cells for s in sources):
+        raise ValueError(
+            f"{'inputs' if len(sources) > 1 else 'input'} {', '.join(s.name for s in sources)} "
+            f"{'hold' if len(sources) > 1 else 'holds'} no cells; nothing to convert"
+        )
     n_genes = len(var)
     chunk = chunk_cells or int(np.clip(_CELL_BUDGET // max(n_genes, 1), 256, _MAX_CHUNK_CELLS))
     value_type = _value_type(sources)
@@ -158,7 +168,7 @@ def _convert(
     try:
         return write_slaf(
             output,
-            _blocks(sources, units, chunk, bar),
+            _blocks(sources, units, chunk, bar, value_type),
             n_genes=n_genes,
             value_type=value_type,
             obs=obs,
@@ -203,12 +213,20 @@ def _open(item: Any, i: int, *, layer: str | None, raw: bool) -> _Source:
         handle = h5py.File(path, "r")
     except OSError as exc:
         raise ValueError(f"{str(path)!r} is not an HDF5/.h5ad file: {exc}") from exc
+    if "encoding-type" not in handle.attrs:  # written by anndata < 0.7: no out-of-core reads
+        handle.close()
+        logger.warning("%s is in the pre-0.7 AnnData format; reading it whole", path)
+        with warnings.catch_warnings():
+            # Logged above; anndata's FutureWarnings here describe moving old layouts.
+            warnings.simplefilter("ignore", anndata.OldFormatWarning)
+            warnings.simplefilter("ignore", FutureWarning)
+            adata = anndata.read_h5ad(path)
+        return _from_anndata(adata, path.name.removesuffix(".h5ad"), layer=layer, raw=raw)
     try:
         key = "X" if layer is None and not raw else ("raw/X" if raw else f"layers/{layer}")
         if key not in handle:
-            found = sorted(handle["layers"].keys()) if "layers" in handle else []
-            what = f"no layer {layer!r} (layers: {found})" if layer is not None else f"no {key}"
-            raise ValueError(f"{str(path)!r} has {what}; choose another matrix")
+            layers = sorted(handle["layers"].keys()) if "layers" in handle else []
+            raise ValueError(_no_matrix(str(path), layer, raw, layers, "raw/X" in handle))
         element = handle[key]
         if not isinstance(element, h5py.Group):
             matrix = element  # dense: h5py reads row slices directly
@@ -251,21 +269,25 @@ class _BackedCsr:
 
 
 def _from_anndata(adata: Any, name: str, *, layer: str | None, raw: bool) -> _Source:
+    layers, has_raw = sorted(adata.layers), adata.raw is not None
     if raw:
-        if adata.raw is None:
-            raise ValueError(f"AnnData input {name} has no raw; drop raw=True")
-        matrix, var = adata.raw.X, adata.raw.var
+        matrix, var = (adata.raw.X, adata.raw.var) if has_raw else (None, None)
     elif layer is not None:
-        if layer not in adata.layers:
-            raise ValueError(
-                f"AnnData input {name} has no layer {layer!r} (layers: {sorted(adata.layers)})"
-            )
-        matrix, var = adata.layers[layer], adata.var
+        matrix, var = (adata.layers[layer] if layer in layers else None), adata.var
     else:
         matrix, var = adata.X, adata.var
     if matrix is None:
-        raise ValueError(f"AnnData input {name} has no X; pass layer=... or raw=True")
+        raise ValueError(_no_matrix(f"AnnData input {name}", layer, raw, layers, has_raw))
     return _checked(_Source(name, matrix, adata.obs, var))
+
+
+def _no_matrix(name: str, layer: str | None, raw: bool, layers: list[str], has_raw: bool) -> str:
+    """One line: the matrix asked for is absent; which ones the input does have."""
+    missing = "raw.X" if raw else ("X" if layer is None else f"layer {layer!r}")
+    found = [f"layers {layers} (--layer NAME)"] if layers else []
+    found += ["raw.X (--raw)"] if has_raw else []
+    has = f"it has {' and '.join(found)}" if found else "it holds no other matrix"
+    return f"{name} has no {missing}; {has}"
 
 
 def _checked(source: _Source) -> _Source:
@@ -274,6 +296,14 @@ def _checked(source: _Source) -> _Source:
         raise ValueError(
             f"input {source.name}: matrix shape {shape} does not match obs x var "
             f"({len(source.obs)} x {len(source.var)})"
+        )
+    names = source.var.index
+    if not names.is_unique:
+        repeated = names[names.duplicated()][0]
+        raise ValueError(
+            f"input {source.name}: var_names are not unique ({repeated!r} appears "
+            f"{int((names == repeated).sum())} times), so gene_id could not name a gene; make "
+            "them unique first (anndata: adata.var_names_make_unique())"
         )
     return source
 
@@ -359,7 +389,11 @@ def _global_index(sources: list[_Source], unit: tuple[int, int, int]) -> np.ndar
 
 
 def _blocks(
-    sources: list[_Source], units: list[tuple[int, int, int]], chunk: int, bar: Any
+    sources: list[_Source],
+    units: list[tuple[int, int, int]],
+    chunk: int,
+    bar: Any,
+    value_type: pa.DataType,
 ) -> Iterator[CsrBlock]:
     """CSR blocks of up to ``chunk`` cells, reading the units in order."""
     import scipy.sparse as sp
@@ -370,17 +404,17 @@ def _blocks(
         pending.append(sp.csr_matrix(sources[i].matrix[lo:hi]))
         n_pending += hi - lo
         if n_pending >= chunk:
-            yield _csr_block(pending)
+            yield _csr_block(pending, value_type)
             if bar is not None:
                 bar.update(n_pending)
             pending, n_pending = [], 0
     if pending:
-        yield _csr_block(pending)
+        yield _csr_block(pending, value_type)
         if bar is not None:
             bar.update(n_pending)
 
 
-def _csr_block(parts: list[Any]) -> CsrBlock:
+def _csr_block(parts: list[Any], value_type: pa.DataType) -> CsrBlock:
     import scipy.sparse as sp
 
     if len(parts) == 1:
@@ -394,8 +428,16 @@ def _csr_block(parts: list[Any]) -> CsrBlock:
              indptr),
             shape=(len(counts), parts[0].shape[1]),
         )  # fmt: skip
-    m.sum_duplicates()  # sorts genes within each cell and merges repeated entries
+    m.sum_duplicates()  # sorts genes within each cell and sums repeated entries, as scipy does
     m.eliminate_zeros()
+    if pa.types.is_integer(value_type) and m.nnz:
+        top = np.iinfo(value_type.to_pandas_dtype()).max
+        if m.data.max() > top:  # the value type was chosen from the entries, not their sums
+            raise ValueError(
+                f"repeated entries of a gene in a cell sum to {m.data.max():g}, more than "
+                f"{value_type} (chosen from the stored values) holds; sum them first "
+                "(scipy: X.sum_duplicates())"
+            )
     return CsrBlock(m.indptr.astype(np.int64), m.indices, m.data)
 
 

@@ -331,11 +331,18 @@ def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> np.ndar
     steps = np.diff(offsets)
     if offsets[0] != 0 or (steps < 0).any():
         bad = 0 if offsets[0] != 0 else int(np.flatnonzero(steps < 0)[0]) + 1
-        what = "the expression row count" if bad == len(ids) else f"cell_start_index of cell {bad}"
+        hint = ""
+        if bad == len(ids):  # name the first cell past the end, not the row count
+            bad = int(np.argmax(start > n_rows))
+            hint = (
+                " (slafdb's converter takes the offsets from an obs 'n_genes' column when there "
+                "is one: drop it before converting if it does not count the stored non-zeros)"
+            )
         raise InconsistentDataError(
             f"cells.lance in {uri!r}: cell_start_index must start at 0 and never decrease, "
-            f"ending at or below the expression row count ({n_rows}); {what} breaks this "
-            f"(value {offsets[bad]}). Recompute cell_start_index as the CSR indptr."
+            f"ending at or below the expression row count ({n_rows}); cell_start_index of cell "
+            f"{bad} breaks this (value {offsets[bad]}). Recompute cell_start_index as the CSR "
+            f"indptr{hint}."
         )
     return offsets
 

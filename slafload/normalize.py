@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slafload.chunk import Chunk
+from slafload.chunk import Chunk, sort_genes_within_cells
 from slafload.dataset import SlafDataset
 from slafload.errors import MediansError
 
@@ -134,7 +134,8 @@ def gene_medians(
 ) -> GeneMedians:
     """Exact median of each gene's non-zero values, streaming over ``expression.lance``.
 
-    Method: an exact median needs all of a gene's values at once, so genes are processed in
+    A gene stored twice in a cell counts once, with the sum of its values, as in a loaded
+    chunk. Method: an exact median needs all of a gene's values at once, so genes are processed in
     blocks of consecutive gene ids whose non-zeros fit in ``max_values``. If the whole table
     fits, one scan collects every non-zero and one ``lexsort`` by (gene, value) orders them;
     each gene's median is read at its middle offset (mean of the two middles for an even count,
@@ -161,7 +162,9 @@ def gene_medians(
     if dataset.n_rows <= max_values:
         parts = list(_scan(dataset, batch_rows))
         if parts:
-            cell, gene, value = (np.concatenate([p[i] for p in parts]) for i in range(3))
+            cell, gene, value = _sum_duplicates(
+                *(np.concatenate([p[i] for p in parts]) for i in range(3))
+            )
             del parts
             if target_sum is not None:
                 value *= target_sum / np.bincount(cell, weights=value, minlength=n_cells)[cell]
@@ -177,11 +180,13 @@ def gene_medians(
         blocks = _blocks(counts, max_values)
         for lo, hi in blocks:
             parts = [
-                (g, v if scale is None else v * scale[c])
+                (c, g, v if scale is None else v * scale[c])
                 for c, g, v in _scan(dataset, batch_rows, lo, hi)
             ]
-            gene = np.concatenate([p[0] for p in parts] or [np.zeros(0, np.int64)])
-            value = np.concatenate([p[1] for p in parts] or [np.zeros(0)])
+            empty = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0))
+            _, gene, value = _sum_duplicates(
+                *(np.concatenate([p[i] for p in parts] or [empty[i]]) for i in range(3))
+            )
             _block_medians(gene, value, lo, medians, nnz)
         passes = 1 + len(blocks)
     logger.info("gene medians of %r: %d scans of expression.lance", dataset.uri, passes)
@@ -202,6 +207,20 @@ def _scan(
         if hi is not None:
             keep &= (gene >= lo) & (gene < hi)
         yield cell[keep], gene[keep], value[keep]
+
+
+def _sum_duplicates(
+    cell: np.ndarray, gene: np.ndarray, value: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows (``cell`` non-decreasing) with repeated (cell, gene) entries summed, as a chunk
+    sums them (:func:`~slafload.chunk.sort_genes_within_cells`), so medians match loading."""
+    if not len(cell):
+        return cell, gene, value
+    indptr = np.concatenate([[0], np.flatnonzero(np.diff(cell)) + 1, [len(cell)]])
+    merged, gene, value = sort_genes_within_cells(indptr, gene, value)
+    if merged is not indptr:
+        cell = np.repeat(cell[indptr[:-1]], np.diff(merged))
+    return cell, gene, value
 
 
 def _blocks(counts: np.ndarray, max_values: int) -> list[tuple[int, int]]:

@@ -72,8 +72,9 @@ def start_rank(chunk: Chunk) -> PendingRank:
     if not len(genes):
         return PendingRank(chunk, indptr, genes, values, None)
     cell = np.repeat(np.arange(chunk.n_cells, dtype=np.int32), np.diff(indptr))
-    # Rows are gene-ascending within a cell, so a stable sort by value descending breaks ties
-    # by gene id ascending.
+    # Chunks hold each cell's genes strictly ascending whatever the storage order (the chunk
+    # stage sorts cells stored otherwise), so a stable sort by value descending breaks ties by
+    # gene id ascending.
     # `cell` is sorted, so "explode" emits the groups in storage order without scattering
     # results back to row positions; sorting (gene, value) as one struct sorts once.
     query = (

@@ -119,8 +119,11 @@ class Chunk:
         fetch_index: Index of the fetch this chunk was read for.
         cell_ids: ``int64[n]`` cell ids in read order.
         indptr: ``int64[n + 1]`` offsets: cell ``i``'s rows are ``indptr[i]:indptr[i + 1]``.
-        genes: Gene ids of the rows (the table's integer dtype), ascending within a cell.
-        values: Expression values of the rows (the table's numeric dtype).
+        genes: Gene ids of the rows (the table's integer dtype), strictly ascending within a
+            cell whatever the storage order (ranking relies on it; a transform that reorders
+            genes must restore it, as :class:`~slafload.vocab.GeneRemap` does).
+        values: Expression values of the rows (the table's numeric dtype; duplicate entries
+            of a gene in a cell are summed, see :func:`slafload.chunk.sort_genes_within_cells`).
         order: ``int64[n]`` output order: output row ``j`` is chunk cell ``order[j]``.
     """
 

@@ -41,10 +41,10 @@ from pathlib import Path
 
 import numpy as np
 
-from slafload.chunk import Chunk
 from slafload.dataset import SlafDataset
 from slafload.errors import SchemaError, VocabularyError
 from slafload.tokenizers import CLS, GENE_OFFSET, MASK, PAD, SEP
+from slafload.types import Chunk
 
 logger = logging.getLogger(__name__)
 

@@ -30,7 +30,8 @@ STORAGE_VERSION = "2.2"  # the Lance file format slafdb 0.5.2's converter pins f
 class CsrBlock:
     """Consecutive cells in CSR form: cell ``i``'s genes are ``genes[indptr[i]:indptr[i+1]]``.
 
-    Genes must be strictly ascending within each cell; values are the stored non-zeros.
+    Genes are written in the given order; write them strictly ascending within each cell
+    (readers sort cells stored otherwise, at a cost). Values are the stored non-zeros.
     ``obs`` optionally carries per-cell columns computed with the block (one entry per cell).
     """
 

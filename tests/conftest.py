@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
+import warnings
 from pathlib import Path
 
 import lance
@@ -20,6 +22,26 @@ def csr_from_dense(dense: np.ndarray) -> CsrBlock:
     indptr = np.zeros(dense.shape[0] + 1, dtype=np.int64)
     np.cumsum(np.bincount(rows, minlength=dense.shape[0]), out=indptr[1:])
     return CsrBlock(indptr, cols, dense[rows, cols])
+
+
+def unsorted_csr(dense: np.ndarray, *, seed: int = 0, duplicates: bool = False) -> CsrBlock:
+    """Like :func:`csr_from_dense`, but each cell's genes in a seeded random order.
+
+    ``duplicates``: about half the values >= 2 are stored as two entries that sum to them.
+    """
+    block = csr_from_dense(dense)
+    rng = np.random.default_rng(seed)
+    cell = np.repeat(np.arange(block.n_cells), np.diff(block.indptr))
+    genes, values = block.genes, block.values.copy()
+    if duplicates:
+        split = np.flatnonzero((values >= 2) & (rng.random(len(values)) < 0.5))
+        half = values[split] // 2
+        values[split] -= half
+        cell, genes = np.concatenate([cell, cell[split]]), np.concatenate([genes, genes[split]])
+        values = np.concatenate([values, half])
+    order = np.lexsort((rng.random(len(cell)), cell))
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(cell, minlength=block.n_cells))])
+    return CsrBlock(indptr, genes[order], values[order])
 
 
 def random_counts(
@@ -100,6 +122,64 @@ def scgpt_reference(
         edges = np.quantile(nonzero, np.linspace(0, 1, n_bins - 1))
         values[1 : 1 + len(kept)] = np.digitize(row[kept], edges) + offset
     return ids, values
+
+
+def raw_reference(row: np.ndarray, max_genes: int) -> tuple[np.ndarray, np.ndarray, int]:
+    genes = ranked_genes(row)[:max_genes]
+    ids = np.full(max_genes, -1, dtype=np.int64)
+    values = np.zeros(max_genes, dtype=np.float32)
+    ids[: len(genes)], values[: len(genes)] = genes, row[genes]
+    return ids, values, len(genes)
+
+
+def assert_rank_value_tokens(path, dense: np.ndarray, max_genes: int = 16) -> None:
+    """geneformer, scgpt and raw tokens of every cell of ``path`` equal the references for
+    ``dense`` (cell ``i`` = row ``i``); geneformer also through the torch dataset face."""
+    from slafload import Loader
+
+    def rows(tokenizer: str, face: str = "loader") -> dict[int, dict[str, np.ndarray]]:
+        out = {}
+        with Loader(path, tokenizer=tokenizer, max_genes=max_genes, batch_size=64) as loader:
+            for batch in loader if face == "loader" else loader.as_torch_dataset():
+                for i, cell in enumerate(batch["cell_integer_id"].tolist()):
+                    out[cell] = {k: v[i].numpy() for k, v in batch.items()}
+        assert sorted(out) == list(range(len(dense)))
+        return out
+
+    geneformer, torch_face = rows("geneformer"), rows("geneformer", "torch")
+    scgpt, raw = rows("scgpt"), rows("raw")
+    for cell, row in enumerate(dense):
+        expected = geneformer_reference(row, max_genes)
+        np.testing.assert_array_equal(geneformer[cell]["input_ids"], expected, f"cell {cell}")
+        np.testing.assert_array_equal(torch_face[cell]["input_ids"], expected, f"cell {cell}")
+        ids, values = scgpt_reference(row, max_genes, 51)
+        np.testing.assert_array_equal(scgpt[cell]["input_ids"], ids, f"cell {cell}")
+        np.testing.assert_array_equal(scgpt[cell]["values"], values, f"cell {cell}")
+        ids, values, length = raw_reference(row, max_genes)
+        np.testing.assert_array_equal(raw[cell]["gene_ids"], ids, f"cell {cell}")
+        np.testing.assert_array_equal(raw[cell]["values"], values, f"cell {cell}")
+        assert raw[cell]["lengths"] == length, f"cell {cell}"
+
+
+def pbmc68k_path() -> Path:
+    """scanpy's real 700-cell pbmc68k_reduced.h5ad (skips without scanpy; not imported).
+
+    An old-format file: ``X`` is scaled (negative values), ``raw.X`` holds log-normalised
+    expression as CSR with unsorted indices and many tied values, obs has ``n_genes``.
+    """
+    spec = importlib.util.find_spec("scanpy")
+    if spec is None or spec.origin is None:
+        pytest.skip("scanpy (which ships pbmc68k_reduced) is not installed")
+    return Path(spec.origin).parent / "datasets" / "10x_pbmc68k_reduced.h5ad"
+
+
+def read_pbmc68k():
+    ad = pytest.importorskip("anndata")
+    path = pbmc68k_path()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ad.OldFormatWarning)
+        warnings.simplefilter("ignore", FutureWarning)  # anndata moving old-format elements
+        return ad.read_h5ad(path)
 
 
 @pytest.fixture

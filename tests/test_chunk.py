@@ -6,12 +6,14 @@ import lance
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import random_counts, write_dense
+from conftest import csr_from_dense, random_counts, unsorted_csr, write_dense
 
+import slafload.chunk
 from slafload import InconsistentDataError, open_dataset
 from slafload.chunk import assemble, shuffle
 from slafload.reader import Reader
 from slafload.samplers import ChunkShuffle, Fetch
+from slafload.writer import CsrBlock, write_slaf
 
 
 def test_cells_split_across_tiny_fragments_arrive_whole(tmp_path):
@@ -32,6 +34,68 @@ def test_cells_split_across_tiny_fragments_arrive_whole(tmp_path):
             )
         seen.append(chunk.cell_ids)
     np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(200))
+
+
+def read_all(path):
+    ds = open_dataset(path)
+    fetch = Fetch(0, np.array([[0, ds.n_cells]]))
+    return assemble(fetch, Reader(ds, batch_rows=7).read(fetch), ds.cell_start, n_genes=ds.n_genes)
+
+
+def cell_rows(chunk, i):
+    rows = slice(chunk.indptr[i], chunk.indptr[i + 1])
+    return chunk.genes[rows], chunk.values[rows]
+
+
+def test_cells_stored_in_any_gene_order_arrive_ascending_and_only_they_are_sorted(
+    tmp_path, monkeypatch
+):
+    dense = random_counts(80, 30, seed=7, density=0.5, empty_every=9)
+    shuffled = unsorted_csr(dense, seed=7)
+    in_order = csr_from_dense(dense)
+    # Every third cell keeps its ascending order: those must not be sorted again.
+    ascending = np.repeat(np.arange(80) % 3 == 0, np.diff(in_order.indptr))
+    genes = np.where(ascending, in_order.genes, shuffled.genes)
+    values = np.where(ascending, in_order.values, shuffled.values)
+    path = write_slaf(tmp_path / "u.slaf", [CsrBlock(in_order.indptr, genes, values)],
+                      n_genes=30, max_rows_per_file=23)  # fmt: skip
+    sorted_cells = []
+    real = slafload.chunk._sort_cells
+    monkeypatch.setattr(
+        slafload.chunk, "_sort_cells", lambda *a: sorted_cells.append(a[-1]) or real(*a)
+    )
+    chunk = read_all(path)
+    for i in range(80):
+        got_genes, got_values = cell_rows(chunk, i)
+        np.testing.assert_array_equal(got_genes, np.flatnonzero(dense[i]))
+        np.testing.assert_array_equal(got_values, dense[i][got_genes])
+    stored = np.split(genes.astype(np.int64), in_order.indptr[1:-1])
+    out_of_order = [c for c in range(80) if (np.diff(stored[c]) < 0).any()]
+    assert len(out_of_order) > 40
+    assert np.concatenate(sorted_cells).tolist() == out_of_order
+    sorted_cells.clear()
+    read_all(write_dense(tmp_path / "s.slaf", dense, max_rows_per_file=23))
+    assert sorted_cells == []  # data stored ascending pays no sort
+
+
+@pytest.mark.parametrize("storage", ["ascending", "shuffled"])
+@pytest.mark.parametrize(("value_type", "big"), [(pa.uint16(), 40_000), (pa.float32(), 2.5)])
+def test_duplicate_entries_of_a_gene_in_a_cell_are_summed(tmp_path, storage, value_type, big):
+    # Cell 0: gene 3 twice and gene 1 three times; cell 1: gene 0 twice; cell 2: no duplicates.
+    indptr = np.array([0, 7, 10, 12])
+    genes = np.array([1, 1, 1, 2, 3, 3, 5, 0, 0, 4, 2, 6])
+    values = np.array([1, 2, big, 7, big, big, 1, 3, 4, 9, 5, 6], dtype=np.float64)
+    if storage == "shuffled":
+        order = np.concatenate([[6, 4, 1, 3, 0, 5, 2], [8, 9, 7], [11, 10]])
+        genes, values = genes[order], values[order]
+    path = write_slaf(tmp_path / "d.slaf", [CsrBlock(indptr, genes, values)], n_genes=7,
+                      value_type=value_type)  # fmt: skip
+    chunk = read_all(path)
+    np.testing.assert_array_equal(chunk.indptr, [0, 4, 6, 8])
+    np.testing.assert_array_equal(chunk.genes, [1, 2, 3, 5, 0, 4, 2, 6])
+    np.testing.assert_allclose(chunk.values, [3 + big, 7, 2 * big, 1, 7, 9, 5, 6])
+    if value_type == pa.uint16():  # 80,000 does not fit uint16: the sum widens, never wraps
+        assert chunk.values.dtype == np.uint64
 
 
 def test_a_fetch_of_scattered_ranges_reads_exactly_those_cells(tmp_path):
@@ -68,10 +132,8 @@ def _rewrite_expression(path, mutate):
     ("mutate", "message"),
     [
         (
-            lambda c: c["gene_integer_id"].__setitem__(
-                slice(10, 12), c["gene_integer_id"][11:9:-1]
-            ),
-            "not strictly ascending",
+            lambda c: c["gene_integer_id"].__setitem__(11, 10),  # genes.lance has 10 genes
+            "holds gene 10 in cell",
         ),
         (
             lambda c: c["cell_integer_id"].__setitem__(40, c["cell_integer_id"][40] + 1),
@@ -85,7 +147,7 @@ def test_rows_contradicting_the_layout_fail_loudly(tmp_path, mutate, message):
     ds = open_dataset(path)
     fetch = Fetch(0, np.array([[0, 30]]))
     with pytest.raises(InconsistentDataError, match=message):
-        assemble(fetch, Reader(ds).read(fetch), ds.cell_start)
+        assemble(fetch, Reader(ds).read(fetch), ds.cell_start, n_genes=ds.n_genes)
 
 
 @pytest.mark.parametrize(("start", "stop", "size"), [(0, 60, 100), (0, 60, 7), (5, 43, 8)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import csr_from_dense, random_counts, write_dense
+from conftest import csr_from_dense, random_counts, unsorted_csr, write_dense
 
 from slafload import Loader, open_dataset
 from slafload.normalize import GeneMedians, MedianNormalize, MediansError, gene_medians
@@ -69,6 +69,25 @@ def test_medians_round_trip_through_their_file_exactly(tmp_path):
     np.testing.assert_array_equal(loaded.medians, medians.medians)
     np.testing.assert_array_equal(loaded.nnz, medians.nnz)
     assert loaded.genes == medians.genes and np.isnan(loaded.medians[3])
+
+
+@pytest.mark.parametrize("max_values", [10**6, 40])
+def test_genes_stored_out_of_order_and_twice_give_the_medians_and_tokens_of_the_sums(
+    tmp_path, counts, max_values
+):
+    block = unsorted_csr(counts, seed=4, duplicates=True)
+    assert len(block.genes) > np.count_nonzero(counts)
+    ds = open_dataset(write_slaf(tmp_path / "u.slaf", [block], n_genes=25, max_rows_per_file=53))
+    medians = gene_medians(ds, max_values=max_values, batch_rows=37)
+    np.testing.assert_array_equal(medians.medians, nonzero_medians(counts))
+    np.testing.assert_array_equal(medians.nnz, (counts > 0).sum(axis=0))
+    transforms = [MedianNormalize(medians)]
+    with Loader(ds, batch_size=32, max_genes=10, seed=3, transforms=transforms) as loader:
+        batches = list(loader)
+    got = np.concatenate([b["input_ids"].numpy() for b in batches])
+    cells = np.concatenate([b["cell_integer_id"].numpy() for b in batches])
+    want = [normalized_reference(counts[c], nonzero_medians(counts), 10) for c in cells]
+    np.testing.assert_array_equal(got, np.stack(want))
 
 
 def test_median_normalisation_reorders_exactly_as_the_numpy_reference(tmp_path, counts):

@@ -13,12 +13,21 @@ wrong in two documented ways, which these tests pin down so a change in either i
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import geneformer_reference, random_counts, scgpt_reference, write_dense
+from conftest import (
+    assert_rank_value_tokens,
+    geneformer_reference,
+    random_counts,
+    read_pbmc68k,
+    scgpt_reference,
+    unsorted_csr,
+    write_dense,
+)
 
-from slafload import Loader
+from slafload import InconsistentDataError, Loader, open_dataset
 
 slaf = pytest.importorskip("slaf")
 pytest.importorskip("psutil")  # without it slafdb's loader silently yields nothing
@@ -130,3 +139,57 @@ def test_scgpt_conventions_match_slafdb_and_values_are_bins_not_counts(atlas):
         np.testing.assert_array_equal(
             t["values"][1 : 1 + len(genes)], dense[cell][genes].astype(np.int64) + 50_000
         )
+
+
+def slafdb_convert(adata, tmp_path: Path) -> Path:
+    """``adata`` written to .h5ad and converted by slafdb's own converter."""
+    from slaf.data import SLAFConverter
+
+    adata.write_h5ad(tmp_path / "in.h5ad")
+    SLAFConverter().convert(str(tmp_path / "in.h5ad"), str(tmp_path / "out.slaf"))
+    return tmp_path / "out.slaf"
+
+
+def stored_genes_ascend(path: Path) -> bool:
+    import lance
+
+    table = lance.dataset(str(path / "expression.lance")).to_table()
+    cells, genes = (table.column(n).to_numpy().astype(np.int64) for n in table.column_names[:2])
+    return bool(((np.diff(genes) > 0) | (np.diff(cells) > 0)).all())
+
+
+def test_a_slafdb_conversion_of_unsorted_csr_yields_rank_value_tokens(tmp_path):
+    ad = pytest.importorskip("anndata")
+    pd = pytest.importorskip("pandas")
+    sp = pytest.importorskip("scipy.sparse")
+    dense = random_counts(N_CELLS, N_GENES, seed=12, density=0.5, max_count=4, empty_every=9)
+    block = unsorted_csr(dense, seed=12)
+    matrix = sp.csr_matrix((block.values, block.genes, block.indptr), shape=dense.shape)
+    assert not matrix.has_sorted_indices
+    adata = ad.AnnData(
+        matrix,
+        obs=pd.DataFrame(index=[f"c{i}" for i in range(N_CELLS)]),
+        var=pd.DataFrame(index=[f"G{g}" for g in range(N_GENES)]),
+    )
+    path = slafdb_convert(adata, tmp_path)
+    assert not stored_genes_ascend(path)  # slafdb kept the input's order
+    assert_rank_value_tokens(path, dense)
+
+
+def test_the_real_pbmc68k_file_converted_by_slafdb_loads_end_to_end(tmp_path):
+    ad = pytest.importorskip("anndata")
+    adata = read_pbmc68k()  # its X is scaled (negative): slafdb can only convert raw.X
+    expression = adata.raw.X
+    assert not expression.has_sorted_indices
+    # slafdb takes cell_start_index from an obs "n_genes" column when there is one; here it
+    # counts genes before the file was subset to 765, so slafdb writes wrong offsets.
+    (tmp_path / "as_is").mkdir()
+    as_is = slafdb_convert(
+        ad.AnnData(expression, obs=adata.obs, var=adata.raw.var), tmp_path / "as_is"
+    )
+    with pytest.raises(InconsistentDataError, match=r"of cell 148 breaks this.*'n_genes'"):
+        open_dataset(as_is)
+    obs = adata.obs.drop(columns="n_genes")
+    path = slafdb_convert(ad.AnnData(expression, obs=obs, var=adata.raw.var), tmp_path)
+    assert not stored_genes_ascend(path)
+    assert_rank_value_tokens(path, expression.toarray())

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import geneformer_reference, random_counts, scgpt_reference, write_dense
+from conftest import (
+    assert_rank_value_tokens,
+    geneformer_reference,
+    random_counts,
+    scgpt_reference,
+    unsorted_csr,
+    write_dense,
+)
 
 from slafload import open_dataset
 from slafload.chunk import assemble, shuffle
@@ -23,6 +30,7 @@ from slafload.tokenizers import (
     make_tokenizer,
     quantile_bins,
 )
+from slafload.writer import write_slaf
 
 
 def ranked_chunk(path, n_cells, seed=None):
@@ -126,3 +134,10 @@ def test_make_tokenizer_resolves_names_and_instances():
 def test_tokenizer_arguments_are_validated(cls, kwargs, message):
     with pytest.raises(ValueError, match=message):
         cls(**kwargs)
+
+
+def test_tokens_do_not_depend_on_the_gene_order_cells_are_stored_in(tmp_path):
+    dense = random_counts(150, 40, seed=8, density=0.5, max_count=4, empty_every=11)
+    path = write_slaf(tmp_path / "u.slaf", [unsorted_csr(dense, seed=8)], n_genes=40,
+                      max_rows_per_file=57)  # fmt: skip
+    assert_rank_value_tokens(path, dense)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import csr_from_dense, geneformer_reference, random_counts
+from conftest import csr_from_dense, geneformer_reference, random_counts, unsorted_csr
 
 from slafload import Loader, open_dataset
 from slafload.errors import SchemaError
@@ -15,9 +15,9 @@ from slafload.writer import write_slaf
 NAMES = [f"ENSG{g:05d}" for g in range(30)]
 
 
-def write_named(path, dense, names):
+def write_named(path, dense, names, store=csr_from_dense):
     return write_slaf(
-        path, [csr_from_dense(dense)], n_genes=dense.shape[1], var={"gene_id": pa.array(names)}
+        path, [store(dense)], n_genes=dense.shape[1], var={"gene_id": pa.array(names)}
     )
 
 
@@ -68,12 +68,17 @@ def test_a_missing_name_column_is_a_schema_error(tmp_path):
         Vocabulary.from_dataset(ds, column="symbol")
 
 
-def test_two_gene_orders_give_identical_tokens_once_aligned(tmp_path):
+@pytest.mark.parametrize(
+    "store",
+    [csr_from_dense, lambda dense: unsorted_csr(dense, seed=5, duplicates=True)],
+    ids=["ascending", "shuffled-with-duplicates"],
+)
+def test_two_gene_orders_give_identical_tokens_once_aligned(tmp_path, store):
     dense = random_counts(70, 30, seed=4, max_count=4, empty_every=9)  # many ties
     perm = np.random.default_rng(1).permutation(30)
     a = write_named(tmp_path / "a.slaf", dense, NAMES)
-    # Dataset b stores the same cells with its genes in another order.
-    b = write_named(tmp_path / "b.slaf", dense[:, perm], [NAMES[p] for p in perm])
+    # Dataset b numbers the genes differently, and may store each cell's rows in any order.
+    b = write_named(tmp_path / "b.slaf", dense[:, perm], [NAMES[p] for p in perm], store)
     vocab = Vocabulary.from_dataset(open_dataset(a))
     want = np.stack([geneformer_reference(row, 12) for row in dense])
     np.testing.assert_array_equal(all_batches(a), want)
