@@ -263,7 +263,10 @@ def _add_tune(sub) -> None:
     t.add_argument("--batch-size", type=int, default=32, help="minibatch size (default: 32)")
     t.add_argument("--blocks", type=_ints, default=[1, 4, 16, 64, 256], metavar="B,B,...")
     t.add_argument("--factors", type=_ints, default=[16, 64, 256], metavar="F,F,...")
-    t.add_argument("--seconds", type=float, default=2.0, help="timed seconds per point")
+    t.add_argument("--seconds", type=float, default=2.0, help="timed seconds per run")
+    t.add_argument(
+        "--repeats", type=int, default=2, help="runs of each candidate point (default: 2)"
+    )
     t.add_argument("--budget-s", type=float, default=120.0, help="total seconds (default: 120)")
     t.add_argument("--tokenizer", default="geneformer", help="tokenizer (default: geneformer)")
     t.add_argument("--max-genes", type=int, default=2048, help="tokens per cell (default: 2048)")
@@ -288,6 +291,7 @@ def _tune(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         target_gap=args.target_gap,
         seconds=args.seconds,
+        repeats=args.repeats,
         budget_s=args.budget_s,
         tokenizer=args.tokenizer,
         max_genes=args.max_genes,

@@ -194,6 +194,7 @@ def tune(
     batch_size: int = 32,
     target_gap: float = 0.05,
     seconds: float = 2.0,
+    repeats: int = 2,
     budget_s: float = 120.0,
     tokenizer: str = "geneformer",
     max_genes: int = 2048,
@@ -212,6 +213,8 @@ def tune(
         target_gap: Largest acceptable expected entropy gap to random sampling, in bits.
         seconds: Timed seconds per point, after a warm-up of one fetch; a point always times
             at least one whole fetch.
+        repeats: Runs of each point expected to meet the target (the others run once);
+            a point's ``cells_per_s`` is the median of its runs.
         budget_s: Total time; points still unmeasured when it runs out are reported with
             ``cells_per_s = None``. Points expected to meet the target are measured first.
         tokenizer, max_genes: As for :class:`~slafload.Loader`.
@@ -224,6 +227,8 @@ def tune(
             raise ValueError(f"{name} must be a non-empty list of positive integers, got {values}")
     if not target_gap >= 0:
         raise ValueError(f"target_gap must be >= 0 bits, got {target_gap!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     if not seconds > 0 or not budget_s > 0:
         raise ValueError(f"seconds and budget_s must be > 0, got {seconds!r}, {budget_s!r}")
     start = time.perf_counter()
@@ -238,7 +243,7 @@ def tune(
         "n_cells": dataset.n_cells, "batch_size": batch_size, "target_gap_bits": target_gap,
         "label": layout.to_json(), "label_entropy_bits": entropy(np.array(layout.shares)),
         "tokenizer": tokenizer, "max_genes": max_genes, "seconds_per_point": seconds,
-        "budget_s": budget_s, "seed": seed,
+        "repeats": repeats, "budget_s": budget_s, "seed": seed,
     }  # fmt: skip
     points = []
     for b in block_sizes:
@@ -248,21 +253,28 @@ def tune(
                                batch_size=batch_size)  # fmt: skip
             points.append({"block_size": b, "fetch_factor": f,
                            "fetch_cells": min(sampler.blocks_per_fetch * b, dataset.n_cells),
-                           "expected_gap_bits": gap, "cells_per_s": None, "timed_cells": 0,
-                           "timed_s": 0.0})  # fmt: skip
+                           "expected_gap_bits": gap, "cells_per_s": None,
+                           "runs": []})  # fmt: skip
     # Candidates first (larger blocks first: usually faster), so a short budget still decides.
     order = sorted(points, key=lambda p: (p["expected_gap_bits"] > target_gap, -p["block_size"],
                                           -p["fetch_factor"]))  # fmt: skip
+    # Every point once, then the candidates again (interleaved, so a busy moment of a shared
+    # machine does not decide alone): cells/s is the median of a point's runs.
+    candidates = [p for p in order if p["expected_gap_bits"] <= target_gap]
+    schedule = order + candidates * (repeats - 1)
     deadline = start + budget_s
-    bar = progress_bar(progress, len(order), "tune", unit="point")
+    bar = progress_bar(progress, len(schedule), "tune", unit="run")
     try:
-        for point in order:
+        for point in schedule:
             if time.perf_counter() >= deadline:
-                logger.info("budget of %.0f s spent; %s left unmeasured", budget_s, point)
+                logger.info("budget of %.0f s spent; b=%d f=%d not run", budget_s,
+                            point["block_size"], point["fetch_factor"])  # fmt: skip
                 continue
-            point.update(_measure(dataset, point, inputs, deadline))
-            logger.info("b=%d f=%d: %s cells/s", point["block_size"], point["fetch_factor"],
-                        point["cells_per_s"])  # fmt: skip
+            run = _measure(dataset, point, inputs, deadline)
+            logger.info("b=%d f=%d: %s", point["block_size"], point["fetch_factor"], run)
+            if run["cells_per_s"] is not None:
+                point["runs"].append(run)
+                point["cells_per_s"] = float(np.median([r["cells_per_s"] for r in point["runs"]]))
             if bar is not None:
                 bar.update(1)
     finally:
