@@ -1,4 +1,4 @@
-"""The ``slafload`` command line: convert, info, synth, bench.
+"""The ``slafload`` command line: convert, info, synth, tune, bench.
 
 User mistakes (a missing file, a path that is not a SLAF dataset, bad arguments) print one line
 to stderr and exit with status 2, without a traceback. Anything else is a bug and propagates.
@@ -25,6 +25,7 @@ _EPILOG = """examples:
   slafload convert big.h5ad atlas.slaf --shuffle-seed 0     # pre-shuffled for plain streaming
   slafload info atlas.slaf
   slafload synth toy.slaf --cells 10000 --genes 2000 --plates 14
+  slafload tune atlas.slaf --label cell_type --budget-s 60  # pick BlockShuffle's (b, f)
   slafload bench --cells 20000 --no-peers                   # see slafload bench --help
 """
 
@@ -104,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
+    _add_tune(sub)
     sub.add_parser(
         "bench",
         help="throughput benchmark against the raw Lance floor and slafdb",
@@ -127,7 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        return {"convert": _convert, "info": _info, "synth": _synth}[args.command](args)
+        commands = {"convert": _convert, "info": _info, "synth": _synth, "tune": _tune}
+        return commands[args.command](args)
     except _USER_ERRORS as exc:
         print(f"slafload {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -227,6 +230,107 @@ def _synth(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print(f"wrote {path}: {args.cells:,} cells x {args.genes:,} genes, {args.plates} plates")
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
+
+
+def _add_tune(sub) -> None:
+    t = sub.add_parser(
+        "tune",
+        help="choose BlockShuffle's (block size, fetch factor) for a dataset",
+        description="Measure the loader's cells/s on a small (block size, fetch factor) grid, "
+        "compute each point's expected minibatch entropy gap to random sampling for a label "
+        "(slafload.tune), and recommend the fastest point within the target gap. Writes the "
+        "report (every input of the recommendation) as JSON and a PNG next to it.",
+    )
+    t.add_argument("path", metavar="DATASET", help="SLAF dataset directory or URI")
+    t.add_argument(
+        "--label",
+        metavar="COLUMN",
+        help="obs column whose diversity matters (default: 'plate' if present, else "
+        "--classes classes stored one after another)",
+    )
+    t.add_argument("--classes", type=int, default=14, help="K of the default (default: 14)")
+    t.add_argument("--target-gap", type=float, default=0.05, help="bits (default: 0.05)")
+    t.add_argument("--batch-size", type=int, default=32, help="minibatch size (default: 32)")
+    t.add_argument("--blocks", type=_ints, default=[1, 4, 16, 64, 256], metavar="B,B,...")
+    t.add_argument("--factors", type=_ints, default=[16, 64, 256], metavar="F,F,...")
+    t.add_argument("--seconds", type=float, default=2.0, help="timed seconds per run")
+    t.add_argument(
+        "--repeats", type=int, default=2, help="runs of each candidate point (default: 2)"
+    )
+    t.add_argument("--budget-s", type=float, default=120.0, help="total seconds (default: 120)")
+    t.add_argument("--tokenizer", default="geneformer", help="tokenizer (default: geneformer)")
+    t.add_argument("--max-genes", type=int, default=2048, help="tokens per cell (default: 2048)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--out", default="slafload-tune.json", help="JSON report (PNG beside it)")
+    t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def _tune(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from slafload import open_dataset
+    from slafload.tune import plot, tune
+
+    report = tune(
+        open_dataset(args.path),
+        label=args.label,
+        n_classes=args.classes,
+        block_sizes=args.blocks,
+        fetch_factors=args.factors,
+        batch_size=args.batch_size,
+        target_gap=args.target_gap,
+        seconds=args.seconds,
+        repeats=args.repeats,
+        budget_s=args.budget_s,
+        tokenizer=args.tokenizer,
+        max_genes=args.max_genes,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    inputs, rec = report["inputs"], report["recommendation"]
+    print(
+        f"label {inputs['label']['name']}: {inputs['label']['n_classes']} classes, "
+        f"H = {inputs['label_entropy_bits']:.3f} bits; batch size {inputs['batch_size']}; "
+        f"target gap {inputs['target_gap_bits']} bits"
+    )
+    print(f"{'b':>6}{'f':>6}{'fetch cells':>13}{'gap bits':>10}{'cells/s':>11}")
+    for p in report["points"]:
+        rate = "-" if p["cells_per_s"] is None else f"{p['cells_per_s']:,.0f}"
+        mark = (
+            "  <- recommended"
+            if rec and all(p[k] == rec[k] for k in ("block_size", "fetch_factor"))
+            else ""
+        )
+        print(f"{p['block_size']:>6}{p['fetch_factor']:>6}{p['fetch_cells']:>13,}"
+              f"{p['expected_gap_bits']:>10.3f}{rate:>11}{mark}")  # fmt: skip
+    png = out.with_suffix(".png")
+    wrote = plot(report, str(png))
+    print(f"wrote {out}" + (f" and {png}" if wrote else "") + f" in {report['elapsed_s']:.0f} s")
+    if rec is None:
+        print(
+            f"slafload tune: no measured point is within {inputs['target_gap_bits']} bits; "
+            "raise --factors or --budget-s, or add block size 1",
+            file=sys.stderr,
+        )
+        return 1
+    print(
+        f"recommended: BlockShuffle(block_size={rec['block_size']}, "
+        f"fetch_factor={rec['fetch_factor']}, batch_size={inputs['batch_size']})"
+    )
     return 0
 
 

@@ -8,6 +8,13 @@ genes drawn and its counts their multiplicities, so popular genes get large coun
 are 1 and ties are plentiful. ``m`` is chosen per cell so that the expected number of distinct
 genes follows a lognormal around ``mean_nnz``; a seeded ``empty_fraction`` of cells gets no reads.
 With ``value_dtype="float32"`` the counts are log-normalised: ``log1p(1e4 * count / m)``.
+
+Optionally (``n_labels > 0``) every cell also carries a class ``label`` confounded with its
+plate, as drug or cell line labels are in Tahoe-100M: each plate draws its label proportions
+from a Dirichlet(``label_concentration``), its cells are stored label by label (as wells are),
+and a cell's profile is ``(1 - label_weight)`` of its plate's profile plus ``label_weight`` of
+its label's own Zipf profile. Plates then differ more than labels do, so a classifier has to
+find the weaker label signal under a strong plate effect.
 """
 
 import logging
@@ -51,6 +58,17 @@ class _Spec:
     seed: int
     max_rows_per_file: int | None
     value_dtype: str
+    n_labels: int = 0
+    label_weight: float = 0.0
+    label_concentration: float = 1.0
+
+    def params(self) -> dict[str, object]:
+        """Generator parameters for ``config.json`` (the label ones only when labels exist)."""
+        out = {k: v for k, v in asdict(self).items() if k != "seed"}
+        if not self.n_labels:
+            for key in ("n_labels", "label_weight", "label_concentration"):
+                del out[key]
+        return out
 
 
 def write_atlas(
@@ -64,6 +82,9 @@ def write_atlas(
     seed: int = 0,
     max_rows_per_file: int | None = None,
     value_dtype: str = "uint16",
+    n_labels: int = 0,
+    label_weight: float = 0.3,
+    label_concentration: float = 1.0,
     overwrite: bool = False,
     progress: bool = False,
 ) -> pathlib.Path:
@@ -87,6 +108,15 @@ def write_atlas(
         Passed to ``lance.write_dataset`` for the expression table (Lance's default if None).
     value_dtype
         ``"uint16"`` counts (clipped to 65535) or ``"float32"`` log-normalised values.
+    n_labels
+        Classes of an obs column ``label`` confounded with plates (see the module docstring);
+        ``0`` (the default) writes no label and leaves every other output unchanged. In
+        [0, 256].
+    label_weight
+        Share of a labelled cell's expression profile that comes from its label; in [0, 1].
+    label_concentration
+        Dirichlet concentration of each plate's label proportions: small values give plates
+        dominated by a few labels, large ones plates with every label in equal shares; > 0.
     overwrite
         Replace an existing ``path`` instead of raising ``FileExistsError``.
     progress
@@ -109,8 +139,14 @@ def write_atlas(
         raise ValueError(f"empty_fraction must be a number in [0, 1), got {empty_fraction!r}")
     if value_dtype not in _VALUE_TYPES:
         raise ValueError(f"value_dtype must be one of {sorted(_VALUE_TYPES)}, got {value_dtype!r}")
+    n_labels = _check_int("n_labels", n_labels, 0, _MAX_PLATES)
+    if not isinstance(label_weight, numbers.Real) or not 0 <= label_weight <= 1:
+        raise ValueError(f"label_weight must be a number in [0, 1], got {label_weight!r}")
+    if not isinstance(label_concentration, numbers.Real) or not label_concentration > 0:
+        raise ValueError(f"label_concentration must be a number > 0, got {label_concentration!r}")
     spec = _Spec(n_cells, n_genes, n_plates, mean_nnz, float(empty_fraction), seed,
-                 max_rows_per_file, value_dtype)  # fmt: skip
+                 max_rows_per_file, value_dtype, n_labels, float(label_weight),
+                 float(label_concentration))  # fmt: skip
 
     path = pathlib.Path(path)
     if path.exists() or path.is_symlink():
@@ -132,11 +168,20 @@ def _check_int(name: str, value: object, lo: int, hi: int) -> int:
 
 def _write(path: pathlib.Path, spec: _Spec, progress: bool) -> None:
     n_cells, n_genes, n_plates = spec.n_cells, spec.n_genes, spec.n_plates
-    model_rng, reads_rng = map(np.random.default_rng, np.random.SeedSequence(spec.seed).spawn(2))
+    # A third seed stream for labels leaves the first two (and so every unlabelled output) as is.
+    streams = np.random.SeedSequence(spec.seed).spawn(3 if spec.n_labels else 2)
+    model_rng, reads_rng = map(np.random.default_rng, streams[:2])
     sizes = np.full(n_plates, n_cells // n_plates, dtype=np.int64)
     sizes[: n_cells % n_plates] += 1
     plate_bounds = np.concatenate(([0], np.cumsum(sizes)))
     probs = _plate_profiles(model_rng, n_genes, n_plates)
+    obs_labels = {}
+    if spec.n_labels:
+        # Cells are generated group by group, a group being one label's cells on one plate.
+        probs, plate_bounds, labels = _label_groups(np.random.default_rng(streams[2]), probs,
+                                                    sizes, spec)  # fmt: skip
+        names = np.array([f"label_{k:02d}" for k in range(spec.n_labels)])
+        obs_labels["label"] = pa.array(names[labels], pa.string())
     reads = _reads_per_cell(model_rng, probs, plate_bounds, spec.mean_nnz, spec.empty_fraction)
     cdfs = np.cumsum(probs, axis=1)
     cdfs /= cdfs[:, -1:]
@@ -151,6 +196,7 @@ def _write(path: pathlib.Path, spec: _Spec, progress: bool) -> None:
             obs={
                 "cell_id": pa.array([f"cell_{i:07d}" for i in range(1, n_cells + 1)]),
                 "plate": pa.array(np.repeat(plate_names, sizes), pa.string()),
+                **obs_labels,
             },
             var={
                 "gene_id": pa.array([f"GENE{g:06d}" for g in range(1, n_genes + 1)]),
@@ -161,7 +207,7 @@ def _write(path: pathlib.Path, spec: _Spec, progress: bool) -> None:
             extra_config={"generator": {
                 "name": __name__,
                 "seed": spec.seed,
-                "params": {k: v for k, v in asdict(spec).items() if k != "seed"},
+                "params": spec.params(),
             }},
         )  # fmt: skip
     finally:
@@ -178,6 +224,26 @@ def _plate_profiles(rng: np.random.Generator, n_genes: int, n_plates: int) -> np
     shared += (1 - _SHARED_WEIGHT - _PLATE_WEIGHT) / n_genes
     own = [_PLATE_WEIGHT * zipf[rng.permutation(n_genes)] for _ in range(n_plates)]
     return shared + np.stack(own)
+
+
+def _label_groups(
+    rng: np.random.Generator, plate_probs: np.ndarray, plate_sizes: np.ndarray, spec: _Spec
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Profiles and cell bounds of the non-empty (plate, label) groups, and each cell's label.
+
+    Groups are stored plate by plate, label by label within a plate.
+    """
+    n_genes, k = plate_probs.shape[1], spec.n_labels
+    zipf = np.arange(1, n_genes + 1, dtype=np.float64) ** -_ZIPF_EXPONENT
+    zipf /= zipf.sum()
+    label_probs = np.stack([zipf[rng.permutation(n_genes)] for _ in range(k)])
+    shares = rng.dirichlet(np.full(k, spec.label_concentration), size=len(plate_sizes))
+    counts = np.stack([rng.multinomial(n, s) for n, s in zip(plate_sizes, shares, strict=True)])
+    plate, label = np.nonzero(counts)  # row-major: plate by plate, label by label
+    w = spec.label_weight
+    probs = (1 - w) * plate_probs[plate] + w * label_probs[label]
+    sizes = counts[plate, label]
+    return probs, np.concatenate(([0], np.cumsum(sizes))), np.repeat(label, sizes)
 
 
 def _reads_per_cell(
