@@ -8,6 +8,7 @@ garbage-collected and stop its thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -124,6 +125,7 @@ class Pipeline:
     ) -> Iterator[Delivery]:
         """One epoch's batches for this rank, leaving out its first ``skip`` cells."""
         cfg = self.config
+        bound = self.for_epoch(epoch)
         stopped = stop.is_set if stop is not None else (lambda: False)
         reader = RetryingReader(
             Reader(self.dataset, batch_rows=cfg.read_batch_rows),
@@ -143,7 +145,7 @@ class Pipeline:
         # One chunk of lookahead: Polars ranks chunk i+1 on its own threads while this thread
         # tokenizes chunk i with numpy, so both cores work.
         pending: PendingRank | None = None
-        pieces = self.pieces(self.stream(epoch, history).parts(skip, worker, n_workers), reader)
+        pieces = bound.pieces(self.stream(epoch, history).parts(skip, worker, n_workers), reader)
         try:
             while True:
                 try:
@@ -151,25 +153,40 @@ class Pipeline:
                 except Exception:
                     if pending is not None:  # hand over what was read before failing
                         last, pending = pending, None
-                        yield from deliver(batcher.add(self.tokenize(last)))
+                        yield from deliver(batcher.add(bound.tokenize(last)))
                     raise
                 if piece is None or stopped():
                     break
                 previous, pending = pending, start_rank(piece)
                 if previous is not None:
-                    yield from deliver(batcher.add(self.tokenize(previous)))
+                    yield from deliver(batcher.add(bound.tokenize(previous)))
                     if stopped():
                         return
             if stopped():
                 return
             if pending is not None:
                 last, pending = pending, None
-                yield from deliver(batcher.add(self.tokenize(last)))
+                yield from deliver(batcher.add(bound.tokenize(last)))
             yield from deliver(batcher.finish())
         finally:
             pieces.close()
             if pending is not None:  # stopped, failed or closed with a ranking in flight
                 pending.discard()
+
+    def for_epoch(self, epoch: int) -> Pipeline:
+        """This pipeline with its epoch-aware stages bound to ``epoch``.
+
+        A transform or tokenizer with a ``for_epoch(epoch)`` method (e.g. one that draws
+        random numbers keyed by ``(seed, epoch, cell)``) is replaced by what it returns; the
+        others are kept as they are.
+        """
+        tokenizer = _bind_epoch(self.tokenizer, epoch)
+        transforms = tuple(_bind_epoch(t, epoch) for t in self.transforms)
+        if tokenizer is self.tokenizer and all(
+            a is b for a, b in zip(transforms, self.transforms, strict=True)
+        ):
+            return self
+        return dataclasses.replace(self, tokenizer=tokenizer, transforms=transforms)
 
     def pieces(self, parts: Iterator[Part], reader: RetryingReader) -> Iterator[Chunk]:
         """Read, check and shuffle each part's fetch; cut it into compute pieces in order.
@@ -235,3 +252,9 @@ class Pipeline:
         if self.pin_memory:
             batch = {k: v.pin_memory() for k, v in batch.items()}
         return batch
+
+
+def _bind_epoch(stage: object, epoch: int) -> object:
+    """``stage.for_epoch(epoch)`` for an epoch-aware stage, else ``stage`` itself."""
+    bind = getattr(stage, "for_epoch", None)
+    return stage if bind is None else bind(epoch)
