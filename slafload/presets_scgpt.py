@@ -19,7 +19,8 @@ What scGPT's tutorials do (``scgpt/preprocess.py`` ``Preprocessor``, then
 
 Every random draw ``u`` is :func:`~slafload.presets.uniforms` of ``(seed, epoch, stream,
 cell_integer_id, gene_integer_id)``: stream :data:`TIES` for step 3, :data:`SUBSAMPLE` for
-step 4 (a cell's sample is its ``max_len - 1`` genes with the smallest draws, in draw order).
+step 4 (a cell's sample is its ``max_len - 1`` genes with the smallest draws, in draw order;
+draws are compared on their top 40 bits).
 The reference draws from numpy's global RNG instead, so identical *inputs* to the reference
 are the same draws: ``tests/test_presets.py`` feeds them to it and gets identical tokens.
 
@@ -54,6 +55,7 @@ from slafload.vocab import GeneRemap
 
 TIES, SUBSAMPLE = 0, 1
 _DENSE_BLOCK = 1 << 22  # cells x genes per block of the include_zero_gene layout
+_DRAW_SCALE = 1 << 40  # sort keys: above any gene id, 2**23 cells per chunk still fit int64
 
 
 def _read_json(path: Any) -> Any:
@@ -143,10 +145,9 @@ class ScGPTTokens:
         x, genes = self.preprocessed(ranked)
         if not len(x):
             return np.zeros(0, dtype=np.int64), genes
-        edges, row = quantile_edges(x, ranked.indptr, self.n_bins - 1)
-        n_edges = self.n_bins - 1
-        left = _count_at_most(edges, row, x, n_edges, strict=False)
-        right = _count_at_most(edges, row, x, n_edges, strict=True)
+        edges = quantile_edges(x, ranked.indptr, self.n_bins - 1)
+        left = digitize_sorted(x, ranked.indptr, edges, right=False)
+        right = digitize_sorted(x, ranked.indptr, edges, right=True)
         u = uniforms(self.seed, self.epoch, TIES, ranked.cell_ids[ranked.entry_cell], genes)
         return np.ceil(u * (right - left) + left).astype(np.int64), genes
 
@@ -170,11 +171,14 @@ class ScGPTTokens:
         limit = self.max_len - first
         cell = ranked.entry_cell
         long_entry = (ranked.lengths > limit)[cell]
-        key = genes.astype(np.float64)
+        # One int64 key per entry: cell, then gene id, or for long cells the subsampling
+        # draw's top 40 bits (draw order; equal prefixes keep rank order, deterministically).
+        within = genes.astype(np.int64)
         if long_entry.any():
             ids_of = ranked.cell_ids[cell[long_entry]]
-            key[long_entry] = uniforms(self.seed, self.epoch, SUBSAMPLE, ids_of, genes[long_entry])
-        order = np.lexsort((key, cell))  # cells keep their CSR extents
+            draws = uniforms(self.seed, self.epoch, SUBSAMPLE, ids_of, genes[long_entry])
+            within[long_entry] = (draws * _DRAW_SCALE).astype(np.int64)
+        order = np.argsort(cell * _DRAW_SCALE + within, kind="stable")  # CSR extents kept
         kept = np.flatnonzero(ranked.entry_rank < limit)
         src = order[kept]
         rows, cols = ranked.entry_row[kept], first + ranked.entry_rank[kept]
@@ -216,15 +220,12 @@ class ScGPTTokens:
         return np.full(ranked.n_cells, limit, dtype=np.int64)
 
 
-def quantile_edges(
-    x: np.ndarray, indptr: np.ndarray, n_edges: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """``np.quantile(cell, linspace(0, 1, n_edges))`` of every cell, and each entry's row.
+def quantile_edges(x: np.ndarray, indptr: np.ndarray, n_edges: int) -> np.ndarray:
+    """``np.quantile(cell, linspace(0, 1, n_edges))`` of every non-empty cell, ``[k, n_edges]``.
 
-    ``x`` holds each cell's values sorted descending (a ranked chunk's layout). Returns the
-    ``float64`` edges of the non-empty cells, flattened ``[k * n_edges]``, and for every entry
-    the offset of its cell's first edge. Mirrors numpy's linear method step for step (virtual
-    index ``(n - 1) * q``, neighbours, ``_lerp``), so the edges are bit-identical.
+    ``x`` holds each cell's values sorted descending (a ranked chunk's layout). Mirrors
+    numpy's linear method step for step (virtual index ``(n - 1) * q``, neighbours, its
+    ``_lerp``), so the ``float64`` edges are bit-identical to ``np.quantile``'s.
     """
     n = np.diff(indptr)
     cells = np.flatnonzero(n)
@@ -236,31 +237,38 @@ def quantile_edges(
     nxt = np.where(above, count - 1, prev + 1)
     # Ascending index a of a cell is descending index n - 1 - a.
     lo, hi = x[base + count - 1 - prev], x[base + count - 1 - nxt]
-    edges = _lerp(lo, hi, virtual - floor).astype(np.float64, copy=False).ravel()
-    row_of_cell = np.zeros(len(n), dtype=np.int64)
-    row_of_cell[cells] = np.arange(len(cells), dtype=np.int64) * n_edges
-    return edges, np.repeat(row_of_cell, n)
+    return _lerp(lo, hi, virtual - floor).astype(np.float64, copy=False)
 
 
-def _count_at_most(
-    edges: np.ndarray, row: np.ndarray, x: np.ndarray, n_edges: int, *, strict: bool
+def digitize_sorted(
+    x: np.ndarray, indptr: np.ndarray, edges: np.ndarray, *, right: bool
 ) -> np.ndarray:
-    """Per entry, how many of its cell's sorted edges are ``<= x`` (``< x`` if ``strict``).
+    """``np.digitize(x, cell_edges, right=right)`` for every entry, all cells at once.
 
-    That is ``np.digitize(x, edges)`` (``right=True`` when ``strict``), as a binary search run
-    for all entries at once: ``log2(n_edges)`` vectorized steps.
+    ``x``: each cell's values sorted descending; ``edges``: :func:`quantile_edges` of them.
+    Instead of searching each value among its cell's edges, each edge is searched among its
+    cell's sorted values (``k * n_edges`` binary searches instead of one per entry): edge ``j``
+    covers the prefix of values ``>= e_j`` (``> e_j`` when ``right``), and a value's bin is
+    the number of edges whose prefix holds it, counted with one ``bincount`` and ``cumsum``.
     """
-    lo = np.zeros(len(x), dtype=np.int64)
-    hi = np.full(len(x), n_edges, dtype=np.int64)
-    x = x.astype(np.float64, copy=False)
-    for _ in range(n_edges.bit_length()):
+    n = np.diff(indptr)
+    cells = np.flatnonzero(n)
+    k, n_edges = edges.shape
+    count, base = n[cells][:, None], indptr[:-1][cells][:, None]
+    # covered[c, j]: length of the prefix of cell c's values x >= e (x > e when right)
+    lo = np.zeros(edges.shape, dtype=np.int64)
+    hi = np.broadcast_to(count, edges.shape).copy()
+    for _ in range(int(count.max(initial=0)).bit_length()):
         active = lo < hi
         mid = (lo + hi) >> 1
-        e = edges[row + np.minimum(mid, n_edges - 1)]
-        go = (e < x) if strict else (e <= x)
-        lo = np.where(active & go, mid + 1, lo)
-        hi = np.where(active & ~go, mid, hi)
-    return lo
+        value = x[base + np.minimum(mid, count - 1)]
+        inside = (value > edges) if right else (value >= edges)
+        lo = np.where(active & inside, mid + 1, lo)
+        hi = np.where(active & ~inside, mid, hi)
+    m = len(x)
+    hits = np.bincount((base + lo).ravel(), minlength=m + 1)[:m]
+    below = np.cumsum(hits) - np.repeat(np.arange(k, dtype=np.int64) * n_edges, n[cells])
+    return n_edges - below
 
 
 def scgpt(

@@ -46,7 +46,14 @@ import slafload
 from slafload import Loader, VocabularyError
 from slafload.presets import PRESET_NAMES, make_preset, uniforms
 from slafload.presets_geneformer import geneformer_v1, geneformer_v2
-from slafload.presets_scgpt import SUBSAMPLE, TIES, ScGPTTokens, quantile_edges, scgpt
+from slafload.presets_scgpt import (
+    SUBSAMPLE,
+    TIES,
+    ScGPTTokens,
+    digitize_sorted,
+    quantile_edges,
+    scgpt,
+)
 from slafload.writer import write_slaf
 
 SPECIALS = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3}
@@ -544,9 +551,9 @@ def test_scgpt_by_name_takes_the_loader_seed(tmp_path):
         make_preset("geneformer-v3", ds)
 
 
-def test_quantile_edges_are_numpys_bit_for_bit():
+def test_quantile_edges_and_digitize_are_numpys_bit_for_bit():
     rng = np.random.default_rng(0)
-    lengths = np.r_[1, 2, 3, 7, 8, 14, 15, 49, 50, 51, 98, 99, 343, rng.integers(1, 400, 40)]
+    lengths = np.r_[0, 1, 2, 3, 7, 8, 14, 15, 0, 49, 50, 51, 98, 99, 343, rng.integers(1, 400, 40)]
     for dtype, make in [
         (np.float32, lambda n: np.log1p(rng.integers(1, 6, n) / np.float32(0.37)).astype(np.float32)),
         (np.uint16, lambda n: rng.integers(1, 9, n).astype(np.uint16)),
@@ -554,11 +561,21 @@ def test_quantile_edges_are_numpys_bit_for_bit():
     ]:  # fmt: skip
         cells = [np.sort(make(n))[::-1].astype(dtype) for n in lengths]
         indptr = np.r_[0, np.cumsum(lengths)]
-        edges, row = quantile_edges(np.concatenate(cells), indptr, 50)
+        x = np.concatenate(cells)
+        edges = quantile_edges(x, indptr, 50)
+        left = digitize_sorted(x, indptr, edges, right=False)
+        right = digitize_sorted(x, indptr, edges, right=True)
+        k = 0
         for c, values in enumerate(cells):
+            if not len(values):
+                continue
             ref = np.quantile(values, np.linspace(0, 1, 50))
-            np.testing.assert_array_equal(edges[c * 50 : (c + 1) * 50], ref)
-        assert np.array_equal(row, np.repeat(np.arange(len(cells)) * 50, lengths))
+            np.testing.assert_array_equal(edges[k], ref)
+            at = slice(indptr[c], indptr[c + 1])
+            np.testing.assert_array_equal(left[at], np.digitize(values, ref))
+            np.testing.assert_array_equal(right[at], np.digitize(values, ref, right=True))
+            k += 1
+        assert k == len(edges)
 
 
 def test_uniform_draws_are_a_function_of_their_key_only():
