@@ -40,6 +40,7 @@ import numpy as np
 import slafload
 from slafload.chain import ChainSpec, build_chain
 from slafload.epochs import Run
+from slafload.presets import make_preset
 from slafload.reader import COLUMNS
 from slafload.stage import Stage
 from slafload.tokenizers import make_tokenizer
@@ -126,10 +127,42 @@ def raw_floor(ds: slafload.SlafDataset, target: int) -> int:
     return cells
 
 
+PRESETS = ("geneformer-v2", "geneformer-v1", "scgpt-reference")
+
+
+def preset_options(ds: slafload.SlafDataset, name: str, seed: int = 0) -> dict[str, Any]:
+    """``tokenizer_options`` for preset ``name``: dictionaries in the models' formats for every
+    gene of ``ds`` (named by ``gene_id``), built in memory as a user's files would load.
+
+    Geneformer: upper-cased ids as Ensembl keys, tokens after the four specials, random medians;
+    scGPT: a ``vocab.json``-style name -> id dict with ``<pad>`` and ``<cls>``. Each preset keeps
+    its model's default width (V2 4096, V1 2048, scGPT 3001).
+    """
+    import numpy as np
+
+    names = [str(g) for g in ds.var(["gene_id"]).get_column("gene_id").to_list()]
+    if name == "scgpt-reference":
+        vocab = {"<pad>": 0, "<cls>": 1, "<eoc>": 2}
+        vocab.update({g: i + 3 for i, g in enumerate(names)})
+        return {"vocab": vocab, "gene_column": "gene_id"}
+    medians = np.random.default_rng(seed).uniform(0.5, 5.0, len(names))
+    tokens = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3}
+    tokens.update({g.upper(): i + 4 for i, g in enumerate(names)})
+    return {
+        "token_dictionary": tokens,
+        "gene_median_dictionary": {
+            g.upper(): float(m) for g, m in zip(names, medians, strict=True)
+        },
+        "gene_column": "gene_id",
+    }
+
+
 def slafload_run(ds, tokenizer: str, args, target: int) -> int:
+    options = preset_options(ds, tokenizer) if tokenizer in PRESETS else None
     with slafload.Loader(
         ds,
         tokenizer=tokenizer,
+        tokenizer_options=options,
         batch_size=args.batch_size,
         max_genes=args.max_genes,
         n_epochs=None,
@@ -181,7 +214,11 @@ def profile_stages(ds, tokenizer_name: str, args, n_batches: int = 400) -> dict[
     """
     config = slafload.LoaderConfig(batch_size=args.batch_size, max_genes=args.max_genes)
     config = dataclasses.replace(config, read_ahead=0)
-    spec = ChainSpec(ds, make_tokenizer(tokenizer_name, max_genes=args.max_genes), config)
+    if tokenizer_name in PRESETS:  # a model's tokenizer and its transforms (gene mapping...)
+        preset = make_preset(tokenizer_name, ds, **preset_options(ds, tokenizer_name))
+        spec = ChainSpec(ds, preset.tokenizer, config, transforms=tuple(preset.transforms))
+    else:
+        spec = ChainSpec(ds, make_tokenizer(tokenizer_name, max_genes=args.max_genes), config)
     run = Run(spec, slafload.samplers.ChunkShuffle(chunk_cells=config.chunk_cells))
     timed: dict[str, _Timed] = {}
 
@@ -239,6 +276,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peer-repeats", type=int, default=2)
     p.add_argument("--no-peers", action="store_true", help="skip slafdb")
+    p.add_argument("--no-presets", action="store_true", help="skip the published-model presets")
     p.add_argument("--data", default=str(ROOT / "data"), help="where the atlas is cached")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput.json"))
     args = p.parse_args(argv)
@@ -250,7 +288,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
 
     results: dict[str, Any] = {}
     results["raw_scan"] = timed_runs("raw scan", lambda: raw_floor(ds, target), args.repeats)
-    for tok in ("geneformer", "scgpt"):
+    ours = ("geneformer", "scgpt") + (() if args.no_presets else PRESETS)
+    for tok in ours:
         results[f"slafload_{tok}"] = timed_runs(
             f"slafload {tok}", lambda tok=tok: slafload_run(ds, tok, args, target), args.repeats
         )
@@ -272,11 +311,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
 
     floor = results["raw_scan"]["cells_per_s"]
     ratios = {}
-    for tok in ("geneformer", "scgpt"):
-        ours = results[f"slafload_{tok}"]["cells_per_s"]
-        ratios[f"{tok}_fraction_of_raw_scan"] = ours / floor
+    for tok in ours:
+        rate = results[f"slafload_{tok}"]["cells_per_s"]
+        ratios[f"{tok}_fraction_of_raw_scan"] = rate / floor
         if f"slafdb_{tok}" in results:
-            ratios[f"{tok}_vs_slafdb"] = ours / results[f"slafdb_{tok}"]["cells_per_s"]
+            ratios[f"{tok}_vs_slafdb"] = rate / results[f"slafdb_{tok}"]["cells_per_s"]
     report = {
         "dataset": {
             "path": str(path),
@@ -288,6 +327,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         "settings": {
             "batch_size": args.batch_size,
             "max_genes": args.max_genes,
+            "preset_widths": {}
+            if args.no_presets
+            else {
+                "geneformer-v2": 4096,
+                "geneformer-v1": 2048,
+                "scgpt-reference": 3001,
+            },  # each model's default, whatever max_genes says
             "cells_per_run": target,
             "epochs_per_run": args.epochs,
             "repeats": args.repeats,
@@ -296,9 +342,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         },
         "results": results,
         "ratios": ratios,
-        "profile_us_per_cell": {
-            tok: profile_stages(ds, tok, args) for tok in ("geneformer", "scgpt")
-        },
+        "profile_us_per_cell": {tok: profile_stages(ds, tok, args) for tok in ours},
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),

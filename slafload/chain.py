@@ -12,6 +12,7 @@ of :mod:`slafload.epochs`, which builds one chain per epoch of a rank.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,27 @@ class ChainSpec:
     transforms: tuple[ChunkTransform, ...] = ()
     obs: Mapping[str, np.ndarray] = field(default_factory=dict)
     pin_memory: bool = False
+
+    def for_epoch(self, epoch: int) -> ChainSpec:
+        """This spec with its epoch-aware tokenizer and transforms bound to ``epoch``.
+
+        A transform or tokenizer with a ``for_epoch(epoch)`` method (e.g. one drawing random
+        numbers keyed by ``(seed, epoch, cell)``, as scGPT's presets do) is replaced by what it
+        returns; the others are kept. Stages themselves never learn the epoch.
+        """
+        tokenizer = _bind_epoch(self.tokenizer, epoch)
+        transforms = tuple(_bind_epoch(t, epoch) for t in self.transforms)
+        if tokenizer is self.tokenizer and all(
+            a is b for a, b in zip(transforms, self.transforms, strict=True)
+        ):
+            return self
+        return dataclasses.replace(self, tokenizer=tokenizer, transforms=transforms)
+
+
+def _bind_epoch(stage: Any, epoch: int) -> Any:
+    """``stage.for_epoch(epoch)`` for an epoch-aware tokenizer or transform, else ``stage``."""
+    bind = getattr(stage, "for_epoch", None)
+    return stage if bind is None else bind(epoch)
 
 
 def _as_is(name: str, stage: Stage[Any]) -> Stage[Any]:

@@ -106,7 +106,8 @@ class Run:
         """
         parts = self.share(epoch, history).parts(skip, worker, n_workers)
         done = skip
-        with closing(build_chain(self.spec, parts, sleep=sleep)) as chain:
+        spec = self.spec.for_epoch(epoch)
+        with closing(build_chain(spec, parts, sleep=sleep)) as chain:
             for batch in chain:
                 done += len(batch["cell_integer_id"])
                 yield Delivery(batch, Position(epoch, done, history))

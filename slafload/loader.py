@@ -28,6 +28,7 @@ from slafload.distributed import resolve_rank
 from slafload.epochs import Delivery, Position, Run
 from slafload.errors import StateError
 from slafload.prefetcher import Prefetcher
+from slafload.presets import PRESET_NAMES, Preset, make_preset
 from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
 from slafload.tokenizers import make_tokenizer
 from slafload.torch_data import SlafIterableDataset
@@ -41,7 +42,11 @@ class Loader:
 
     Args:
         dataset: An opened :class:`SlafDataset`, or a path/URI to open.
-        tokenizer: ``"geneformer"``, ``"scgpt"``, ``"raw"``, a plugin name, or an instance.
+        tokenizer: ``"geneformer"``, ``"scgpt"``, ``"raw"``, a plugin name, or an instance;
+            or a published model's preset (:mod:`slafload.presets`): a :class:`Preset`, or
+            ``"geneformer-v2"``, ``"geneformer-v1"``, ``"scgpt-reference"`` built from
+            ``tokenizer_options`` (its dictionary files; ``seed`` defaults to the loader's).
+            A preset's transforms run before ``transforms``.
         tokenizer_options: Extra keyword arguments for a named tokenizer (e.g. ``n_bins``).
         sampler: Plan of cells per epoch; defaults to :class:`ChunkShuffle` or
             :class:`Streaming` according to ``shuffle``.
@@ -80,6 +85,15 @@ class Loader:
             )
         self.config = LoaderConfig(**settings)
         self.dataset = dataset if isinstance(dataset, SlafDataset) else open_dataset(dataset)
+        if isinstance(tokenizer, str) and tokenizer in PRESET_NAMES:
+            preset_options = {"seed": self.config.seed, **(tokenizer_options or {})}
+            tokenizer = make_preset(tokenizer, self.dataset, **preset_options)
+            tokenizer_options = None
+        if isinstance(tokenizer, Preset):  # a model's own tokenizer and its chunk transforms
+            self.preset: Preset | None = tokenizer
+            tokenizer, transforms = tokenizer.tokenizer, (*tokenizer.transforms, *transforms)
+        else:
+            self.preset = None
         options = {"max_genes": self.config.max_genes, **(tokenizer_options or {})}
         self.tokenizer = (
             make_tokenizer(tokenizer, **options)

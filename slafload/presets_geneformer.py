@@ -1,0 +1,290 @@
+"""Geneformer presets: the tokens of Geneformer's ``TranscriptomeTokenizer``, from its own files.
+
+What ``TranscriptomeTokenizer`` (``geneformer/tokenizer.py``) does, and where it happens here:
+
+1. Map each dataset gene's id (``var["ensembl_id"]``, upper-cased) through the Ensembl mapping
+   dictionary (kept to entries whose target has a token); genes without a mapping are dropped.
+   Genes mapped to the same Ensembl id have their counts summed.
+   -> :class:`GeneformerNormalize` (chunk transform), with a gene -> token lookup built once.
+2. ``value = count / n_counts * 10_000 / median[gene]`` with ``n_counts`` the obs column (here:
+   ``cells.lance`` ``n_counts`` when present, else each cell's total over *all* its genes,
+   before dropping) -> the same transform, in numpy's dtypes (see its docstring).
+3. Rank the cell's non-zero genes by decreasing value -> the rank stage (ties by token id;
+   Geneformer's ``np.argsort`` is not stable, so tied genes may come in another order there).
+4. V2: keep the top ``model_input_size - 2`` and wrap in ``<cls> ... <eos>``; V1: keep the top
+   ``model_input_size``, no special tokens -> :class:`GeneformerTokens`.
+
+Outputs per cell: ``input_ids`` (padded with the dictionary's ``<pad>``), ``attention_mask``
+and ``length``. Geneformer drops cells left without genes; a loader cannot drop cells without
+breaking its batch and resume arithmetic, so they come out with ``length`` 2 (V2:
+``<cls> <eos>``) or 0 (V1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from slafload.chunk import Chunk
+from slafload.dataset import SlafDataset
+from slafload.errors import SchemaError, VocabularyError
+from slafload.presets import (
+    DEFAULT_SAMPLE_CELLS,
+    DEFAULT_WARN_BELOW,
+    Preset,
+    gene_names,
+    load_dictionary,
+    measure_coverage,
+)
+from slafload.tokenizers import _destinations
+from slafload.types import RankedChunk
+
+TARGET_SUM = 10_000
+PathOrDict = str | os.PathLike[str] | dict
+
+
+def _read_pickle(path: Any) -> Any:
+    with open(path, "rb") as fh:
+        return pickle.load(fh)
+
+
+@dataclass(frozen=True, eq=False)
+class GeneformerNormalize:
+    """Chunk transform: Geneformer's gene mapping, duplicate collapse and normalisation.
+
+    Args:
+        token_of_gene: ``int64[n_genes]`` token of each dataset gene id, ``-1`` to drop it.
+            Genes sharing a token are summed within a cell.
+        median_of_token: ``float64`` non-zero median of each token's gene (by token id).
+        n_counts: Per ``cell_integer_id`` total counts (the obs column, its own dtype), or
+            ``None`` to use each cell's total over all its stored genes.
+        target_sum: Geneformer's 10,000.
+
+    Output: genes are token ids (ascending within a cell), values ``float64``
+    ``count / n_counts * target_sum / median``. Arithmetic follows the reference's numpy
+    expression: the first division in ``result_type(counts, n_counts)`` (``float32`` for counts
+    stored as integers or ``float32`` with a ``float32`` ``n_counts``), the median division in
+    ``float64``. Summed duplicates are added in ``float32`` (``float64`` for ``float64`` data).
+    """
+
+    token_of_gene: np.ndarray
+    median_of_token: np.ndarray
+    n_counts: np.ndarray | None = None
+    target_sum: int | float = TARGET_SUM
+
+    def __call__(self, chunk: Chunk) -> Chunk:
+        n = chunk.n_cells
+        genes = chunk.genes.astype(np.int64, copy=False)
+        if len(genes) and int(genes.max()) >= len(self.token_of_gene):
+            raise VocabularyError(
+                f"chunk holds gene id {int(genes.max())} but the Geneformer preset maps "
+                f"{len(self.token_of_gene)} genes; build the preset from the dataset loaded"
+            )
+        cell = np.repeat(np.arange(n, dtype=np.int64), chunk.lengths)
+        if self.n_counts is None:
+            totals = np.bincount(cell, weights=chunk.values.astype(np.float64), minlength=n)
+        else:
+            if n and int(chunk.cell_ids.max()) >= len(self.n_counts):
+                raise SchemaError(
+                    f"cell {int(chunk.cell_ids.max())} has no n_counts: the preset read "
+                    f"{len(self.n_counts)} cells; rebuild it for this dataset version"
+                )
+            totals = self.n_counts[chunk.cell_ids]
+        tokens = self.token_of_gene[genes]
+        keep = np.flatnonzero(tokens >= 0)
+        cell, tokens = cell[keep], tokens[keep]
+        acc = np.result_type(chunk.values.dtype, np.float32)
+        values = chunk.values[keep].astype(acc, copy=False)
+        # Cell-major, then token: one int64 key sorts every cell and exposes duplicates.
+        key = cell * (int(self.token_of_gene.max()) + 1) + tokens
+        order = np.argsort(key, kind="stable")
+        key, cell, tokens, values = key[order], cell[order], tokens[order], values[order]
+        if len(key) > 1 and (key[1:] == key[:-1]).any():
+            first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+            values = np.add.reduceat(values, first)
+            cell, tokens = cell[first], tokens[first]
+        normalized = values / totals[cell] * self.target_sum / self.median_of_token[tokens]
+        indptr = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(np.bincount(cell, minlength=n), out=indptr[1:])
+        return dataclasses.replace(chunk, indptr=indptr, genes=tokens, values=normalized)
+
+
+class GeneformerTokens:
+    """Rank-value encoding in Geneformer's layout, on a chunk ranked by normalised value.
+
+    Args:
+        model_input_size: Width of ``input_ids`` (V2: 4096, V1: 2048).
+        special_tokens: Wrap in ``cls_id ... eos_id`` (V2) or not (V1).
+        pad_id, cls_id, eos_id: Token ids from the model's token dictionary.
+    """
+
+    def __init__(
+        self,
+        *,
+        model_input_size: int,
+        special_tokens: bool,
+        pad_id: int,
+        cls_id: int | None = None,
+        eos_id: int | None = None,
+        name: str = "geneformer-v2",
+    ):
+        minimum = 3 if special_tokens else 1
+        if not isinstance(model_input_size, int) or model_input_size < minimum:
+            raise ValueError(
+                f"model_input_size must be an integer >= {minimum}, got {model_input_size!r}"
+            )
+        if special_tokens and (cls_id is None or eos_id is None):
+            raise ValueError("special_tokens=True needs cls_id and eos_id")
+        self.model_input_size, self.special_tokens = model_input_size, special_tokens
+        self.pad_id, self.cls_id, self.eos_id, self.name = pad_id, cls_id, eos_id, name
+
+    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        width, first = self.model_input_size, int(self.special_tokens)
+        body = width - 2 * first
+        ids = np.full((ranked.n_cells, width), self.pad_id, dtype=np.int64)
+        flat, keep = _destinations(ranked, width, body, first_col=first)
+        ids.reshape(-1)[flat] = ranked.genes[keep]
+        lengths = ranked.output_lengths(body)
+        if self.special_tokens:
+            ids[:, 0] = self.cls_id
+            ids[np.arange(ranked.n_cells), lengths + 1] = self.eos_id
+            lengths = lengths + 2
+        mask = np.arange(width)[None, :] < lengths[:, None]
+        return {"input_ids": ids, "attention_mask": mask, "length": lengths}
+
+
+def geneformer_v2(
+    dataset: SlafDataset,
+    *,
+    token_dictionary: PathOrDict,
+    gene_median_dictionary: PathOrDict,
+    ensembl_mapping: PathOrDict | None = None,
+    gene_column: str = "ensembl_id",
+    n_counts_column: str | None = "n_counts",
+    model_input_size: int = 4096,
+    special_tokens: bool = True,
+    collapse_gene_ids: bool = True,
+    sample_cells: int = DEFAULT_SAMPLE_CELLS,
+    warn_below: float = DEFAULT_WARN_BELOW,
+    name: str = "geneformer-v2",
+) -> Preset:
+    """The Geneformer V2 preset (``model_input_size=4096``, ``<cls> ... <eos>``).
+
+    Args:
+        dataset: The dataset to load; its ``gene_column`` names the genes.
+        token_dictionary: ``token_dictionary_gc104M.pkl`` (path or the loaded dict:
+            Ensembl id -> token, plus ``<pad>``, ``<cls>``, ``<eos>``...).
+        gene_median_dictionary: ``gene_median_dictionary_gc104M.pkl`` (Ensembl id -> median).
+        ensembl_mapping: ``ensembl_mapping_dict_gc104M.pkl`` (id -> Ensembl id), or ``None``
+            for the identity on the token dictionary. A symbol -> Ensembl dictionary works the
+            same way with ``gene_column`` naming a symbol column. Keys are matched against the
+            upper-cased gene names, as Geneformer does.
+        gene_column: ``genes.lance`` column with the identifiers (``ensembl_id``,
+            ``feature_id``, ``gene_id``, a symbol column with a symbol mapping).
+        n_counts_column: ``cells.lance`` column of total counts; when absent (or ``None``),
+            each cell's total over all its stored genes.
+        model_input_size, special_tokens: Layout (V1: 2048 and ``False``).
+        collapse_gene_ids: Map through ``ensembl_mapping`` and sum genes sharing an id (the
+            reference's default). ``False`` matches names to the token dictionary directly and
+            refuses duplicates among matched names, as the reference does.
+        sample_cells, warn_below: Coverage estimate size and warning threshold.
+    """
+    tokens = load_dictionary(token_dictionary, "token_dictionary", _read_pickle)
+    medians = load_dictionary(gene_median_dictionary, "gene_median_dictionary", _read_pickle)
+    if special_tokens:
+        missing = [t for t in ("<cls>", "<eos>") if t not in tokens]
+        if missing:
+            raise VocabularyError(
+                f"the token dictionary has no {missing}: V2 wraps cells in <cls> ... <eos>; "
+                "use the V2 dictionary (token_dictionary_gc104M.pkl) or geneformer_v1"
+            )
+    names = gene_names(dataset, gene_column)
+    if collapse_gene_ids:
+        mapping = (
+            {k: k for k in tokens}
+            if ensembl_mapping is None
+            else load_dictionary(ensembl_mapping, "ensembl_mapping", _read_pickle)
+        )
+        mapping = {k: v for k, v in mapping.items() if v in tokens}
+        ensembl = [mapping.get(str(g).upper()) for g in names]
+    else:
+        ensembl = [g if g in tokens else None for g in names]
+        known = [g for g in ensembl if g is not None]
+        if len(known) != len(set(known)):
+            raise VocabularyError(
+                f"column {gene_column!r} of {dataset.uri!r} repeats identifiers; pass "
+                "collapse_gene_ids=True to sum them, as Geneformer does by default"
+            )
+    token_of_gene = np.array([-1 if e is None else tokens[e] for e in ensembl], np.int64)
+    no_median = sorted({e for e in ensembl if e is not None and e not in medians})
+    if no_median:
+        raise VocabularyError(
+            f"{len(no_median)} tokenized genes have no entry in the gene median dictionary, "
+            f"e.g. {no_median[:5]}; pass the median file of the same model version"
+        )
+    median_of_token = np.full(max(tokens.values()) + 1, np.nan)
+    for e in set(ensembl) - {None}:
+        median_of_token[tokens[e]] = medians[e]
+    transform = GeneformerNormalize(
+        token_of_gene, median_of_token, _n_counts(dataset, n_counts_column)
+    )
+    tokenizer = GeneformerTokens(
+        model_input_size=model_input_size,
+        special_tokens=special_tokens,
+        pad_id=int(tokens.get("<pad>", 0)),
+        cls_id=tokens.get("<cls>"),
+        eos_id=tokens.get("<eos>"),
+        name=name,
+    )
+    coverage = measure_coverage(
+        dataset,
+        token_of_gene >= 0,
+        column=gene_column,
+        model=name,
+        sample_cells=sample_cells,
+        warn_below=warn_below,
+    )
+    return Preset(name, tokenizer, (transform,), coverage)
+
+
+def geneformer_v1(
+    dataset: SlafDataset,
+    *,
+    token_dictionary: PathOrDict,
+    gene_median_dictionary: PathOrDict,
+    ensembl_mapping: PathOrDict | None = None,
+    model_input_size: int = 2048,
+    **options: Any,
+) -> Preset:
+    """The Geneformer V1 preset: 2048 tokens, no special tokens, the ``*_gc30M`` files.
+
+    Takes the same options as :func:`geneformer_v2`.
+    """
+    return geneformer_v2(
+        dataset,
+        token_dictionary=token_dictionary,
+        gene_median_dictionary=gene_median_dictionary,
+        ensembl_mapping=ensembl_mapping,
+        model_input_size=model_input_size,
+        special_tokens=False,
+        name="geneformer-v1",
+        **options,
+    )
+
+
+def _n_counts(dataset: SlafDataset, column: str | None) -> np.ndarray | None:
+    """The obs ``n_counts`` column by cell_integer_id, or ``None`` when it is absent."""
+    if column is None or column not in dataset.cells.schema.names:
+        return None
+    obs = dataset.obs(["cell_integer_id", column]).sort("cell_integer_id")
+    if obs.get_column(column).null_count():
+        raise SchemaError(
+            f"cells.lance column {column!r} of {dataset.uri!r} has nulls; fill it or pass "
+            "n_counts_column=None to use each cell's total"
+        )
+    return obs.get_column(column).to_numpy()
