@@ -87,6 +87,10 @@ class LoaderConfig:
             fetch's coalesced spans (the wanted rows plus any short gaps read through) until
             its turn. ``0`` reads each fetch only when it is needed.
         retry: Retries of a fetch after a transient storage failure.
+        layout: How a batch's token rows are laid out (see :mod:`slafload.layout`):
+            ``"padded"`` (fixed width, slafdb's), ``"longest"`` (padded to the batch's
+            longest cell) or ``"packed"`` (every cell's tokens back to back, ``cu_seqlens``).
+        token_dtype: ``"int64"`` or ``"int32"``, the integer type of token id streams.
     """
 
     batch_size: int = 32
@@ -100,6 +104,8 @@ class LoaderConfig:
     read_batch_rows: int = 1 << 20
     read_ahead: int = 1
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    layout: str = "padded"
+    token_dtype: str = "int64"
 
     def __post_init__(self) -> None:
         positive = {
@@ -122,5 +128,12 @@ class LoaderConfig:
             raise ValueError(f"n_epochs must be a positive integer or None, got {self.n_epochs!r}")
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
+        choices = {
+            "layout": ("padded", "longest", "packed"),
+            "token_dtype": ("int64", "int32"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")

@@ -52,7 +52,10 @@ class Loader:
             ``n_epochs``, ``shuffle``, ``drop_last``, ``chunk_cells``, ``queue_depth``...).
 
     Each batch holds the tokenizer's arrays (``input_ids``, ``attention_mask``, ...) and
-    ``cell_integer_id``. Use as an iterable, and ``close()`` it or use ``with``.
+    ``cell_integer_id``; ``layout="longest"`` pads them only to the batch's longest cell and
+    ``layout="packed"`` puts every cell's tokens back to back with ``cu_seqlens`` and
+    ``position_ids`` (see :mod:`slafload.layout`). Use as an iterable, and ``close()`` it or
+    use ``with``.
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class Loader:
             transforms=self._transforms,
             obs={name: c for name, (c, _) in codes.items()},
         )
+        self._pipeline.tokens  # noqa: B018  (checks the tokenizer fits the layout now)
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -268,6 +272,7 @@ class _LoaderIterator(Iterator[Batch]):
         )
         self._device = loader.device
         self._non_blocking = loader.pin_memory
+        self._consume = pipeline.tokens.consume  # the move to the device
         # Stops the thread if this iterator is dropped without close() (e.g. after `break`).
         self._finalizer = weakref.finalize(self, self._prefetcher.close)
 
@@ -276,12 +281,7 @@ class _LoaderIterator(Iterator[Batch]):
         loader = self._loader()
         if loader is not None:
             loader._position = delivery.after
-        batch = delivery.batch
-        if self._device is not None and self._device.type != "cpu":
-            batch = {
-                k: v.to(self._device, non_blocking=self._non_blocking) for k, v in batch.items()
-            }
-        return batch
+        return self._consume(delivery.batch, self._device, self._non_blocking)
 
     def close(self) -> None:
         self._finalizer()

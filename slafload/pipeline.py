@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from slafload.batcher import Batcher
 from slafload.chunk import Chunk, assemble, shuffle, split
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
-from slafload.rank import PendingRank, start_rank
+from slafload.layout import Pending, TokenStage, make_token_stage
 from slafload.reader import Reader
 from slafload.retry import PendingRead, RetryingReader
 from slafload.samplers import Sampler
@@ -72,6 +73,11 @@ class Pipeline:
     world_size: int = 1
     transforms: tuple[ChunkTransform, ...] = ()
     obs: Mapping[str, np.ndarray] | None = None  # obs column -> int64 code per cell
+
+    @cached_property
+    def tokens(self) -> TokenStage:
+        """Ranking, tokenizing and layout, as ``config.layout``/``tokenize_on`` ask."""
+        return make_token_stage(self.tokenizer, self.config)
 
     def run(
         self,
@@ -138,11 +144,12 @@ class Pipeline:
             nonlocal done
             for batch in batches:
                 done += len(batch["cell_integer_id"])
+                batch = self.tokens.finish(batch)
                 yield Delivery(self.to_torch(batch), Position(epoch, done, history))
 
         # One chunk of lookahead: Polars ranks chunk i+1 on its own threads while this thread
         # tokenizes chunk i with numpy, so both cores work.
-        pending: PendingRank | None = None
+        pending: Pending | None = None
         pieces = self.pieces(self.stream(epoch, history).parts(skip, worker, n_workers), reader)
         try:
             while True:
@@ -155,7 +162,7 @@ class Pipeline:
                     raise
                 if piece is None or stopped():
                     break
-                previous, pending = pending, start_rank(piece)
+                previous, pending = pending, self.tokens.start(piece)
                 if previous is not None:
                     yield from deliver(batcher.add(self.tokenize(previous)))
                     if stopped():
@@ -221,13 +228,12 @@ class Pipeline:
                 chunk = transform(chunk)
             yield from split(chunk, part.skip, part.keep, self.config.chunk_cells)
 
-    def tokenize(self, ranking: PendingRank) -> dict[str, np.ndarray]:
-        """The token arrays of a ranked piece, plus cell ids and requested obs codes."""
-        ranked = ranking.result()
-        arrays = dict(self.tokenizer(ranked))
-        arrays["cell_integer_id"] = ranked.output_cell_ids
+    def tokenize(self, pending: Pending) -> dict[str, np.ndarray]:
+        """The token rows of a piece, plus cell ids and requested obs codes."""
+        arrays, cell_ids = self.tokens.rows(pending)
+        arrays["cell_integer_id"] = cell_ids
         for name, codes in (self.obs or {}).items():
-            arrays[name] = codes[ranked.output_cell_ids]
+            arrays[name] = codes[cell_ids]
         return arrays
 
     def to_torch(self, arrays: Mapping[str, np.ndarray]) -> Batch:
