@@ -91,6 +91,9 @@ class LoaderConfig:
             ``"padded"`` (fixed width, slafdb's), ``"longest"`` (padded to the batch's
             longest cell) or ``"packed"`` (every cell's tokens back to back, ``cu_seqlens``).
         token_dtype: ``"int64"`` or ``"int32"``, the integer type of token id streams.
+        tokenize_on: ``"producer"`` (rank and tokenize on the producer thread) or
+            ``"device"`` (ship each batch's sparse expression and rank, bin and lay out
+            tokens with torch ops on the loader's device; see :mod:`slafload.device_tokenize`).
     """
 
     batch_size: int = 32
@@ -106,6 +109,7 @@ class LoaderConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     layout: str = "padded"
     token_dtype: str = "int64"
+    tokenize_on: str = "producer"
 
     def __post_init__(self) -> None:
         positive = {
@@ -131,6 +135,7 @@ class LoaderConfig:
         choices = {
             "layout": ("padded", "longest", "packed"),
             "token_dtype": ("int64", "int32"),
+            "tokenize_on": ("producer", "device"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -24,7 +24,7 @@ The producer side of tokenizing is a *token stage* with four steps, so any chain
 can call it: ``start(piece)`` begins the work on a piece (ranking, on Polars' threads),
 ``rows(pending)`` returns the piece's row-aligned arrays and output cell ids, ``finish(batch)``
 lays out one batch's rows, and ``consume(batch, device)`` is the consumer's last step (a move
-to the device).
+to the device here; tokenizing there for :mod:`slafload.device_tokenize`).
 """
 
 from __future__ import annotations
@@ -182,5 +182,10 @@ def _narrow(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig) -> TokenStage:
-    """The token stage ``config.layout`` asks for."""
-    return HostTokens(tokenizer, make_layout(config.layout, config.token_dtype))
+    """The token stage ``config.tokenize_on`` and ``config.layout`` ask for."""
+    layout = make_layout(config.layout, config.token_dtype)
+    if config.tokenize_on == "device":
+        from slafload.device_tokenize import DeviceTokens
+
+        return DeviceTokens(tokenizer, layout)
+    return HostTokens(tokenizer, layout)

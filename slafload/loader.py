@@ -21,7 +21,7 @@ from slafload.checkpoint import cell_order, fingerprint, require_same_order
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.distributed import resolve_rank
-from slafload.errors import StateError
+from slafload.errors import LayoutError, StateError
 from slafload.pipeline import Batch, ChunkTransform, Delivery, Pipeline, Position
 from slafload.prefetcher import Prefetcher
 from slafload.samplers import ChunkShuffle, Sampler, Streaming
@@ -54,8 +54,10 @@ class Loader:
     Each batch holds the tokenizer's arrays (``input_ids``, ``attention_mask``, ...) and
     ``cell_integer_id``; ``layout="longest"`` pads them only to the batch's longest cell and
     ``layout="packed"`` puts every cell's tokens back to back with ``cu_seqlens`` and
-    ``position_ids`` (see :mod:`slafload.layout`). Use as an iterable, and ``close()`` it or
-    use ``with``.
+    ``position_ids`` (see :mod:`slafload.layout`). ``tokenize_on="device"`` ships each
+    batch's sparse expression instead and tokenizes it on ``device`` in ``next()``, with
+    identical results (see :mod:`slafload.device_tokenize`). Use as an iterable, and
+    ``close()`` it or use ``with``.
     """
 
     def __init__(
@@ -140,7 +142,7 @@ class Loader:
             transforms=self._transforms,
             obs={name: c for name, (c, _) in codes.items()},
         )
-        self._pipeline.tokens  # noqa: B018  (checks the tokenizer fits the layout now)
+        self._pipeline.tokens  # noqa: B018  (checks the tokenizer fits layout/tokenize_on now)
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -222,7 +224,18 @@ class Loader:
             self._position = Position(int(state["epoch"]), 0, tuple(segments))
 
     def as_torch_dataset(self) -> SlafIterableDataset:
-        """This loader as a ``torch.utils.data.IterableDataset`` (see :mod:`slafload.torch_data`)."""
+        """This loader as a ``torch.utils.data.IterableDataset`` (see :mod:`slafload.torch_data`).
+
+        Raises:
+            LayoutError: the loader tokenizes on the device (``tokenize_on="device"``), which
+                only the training process can do; DataLoader workers are other processes.
+        """
+        if self.config.tokenize_on == "device":
+            raise LayoutError(
+                "tokenize_on='device' tokenizes on the training thread's device, which "
+                "DataLoader worker processes cannot reach; iterate the Loader itself, or use "
+                "tokenize_on='producer' with as_torch_dataset()"
+            )
         return SlafIterableDataset(
             uri=self.dataset.uri,
             versions=self.dataset.versions,
@@ -272,7 +285,7 @@ class _LoaderIterator(Iterator[Batch]):
         )
         self._device = loader.device
         self._non_blocking = loader.pin_memory
-        self._consume = pipeline.tokens.consume  # the move to the device
+        self._consume = pipeline.tokens.consume  # device move (and device-side tokenizing)
         # Stops the thread if this iterator is dropped without close() (e.g. after `break`).
         self._finalizer = weakref.finalize(self, self._prefetcher.close)
 

@@ -200,7 +200,7 @@ def test_a_tokenizer_without_attention_mask_can_only_be_padded(atlas):
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("layout", "ragged"), ("token_dtype", "int16")],
+    [("layout", "ragged"), ("token_dtype", "int16"), ("tokenize_on", "gpu")],
 )
 def test_a_bad_layout_setting_is_refused_up_front_by_name(atlas, setting, value):
     with pytest.raises(ValueError, match=setting):
