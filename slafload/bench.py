@@ -7,7 +7,10 @@ queue can hold), stopping right there. The page cache is warmed by a full scan f
 
 Reported: cells/s per loader (median of ``--repeats`` runs), the raw floor (a bare Lance scan
 of the same rows, no processing), the ratios, peak RSS during each run, and a per-stage
-profile of slafload's producer. Writes JSON (and a PNG bar chart when matplotlib is there).
+profile of slafload's producer. For every layout (``padded``, ``longest``, ``packed``) and
+tokenize placement: cells/s, tokens per batch, bytes per cell delivered, the training thread's
+time in ``next()`` (p50/p99) and the producer's tokenizing cost (:mod:`slafload.bench_layout`).
+Writes JSON (and a PNG bar chart when matplotlib is there).
 
     python benchmarks/throughput.py                      # the README's main command
     python benchmarks/throughput.py --cells 200000 --no-peers
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import slafload
+from slafload.bench_layout import layout_report
 from slafload.chunk import assemble, shuffle
 from slafload.rank import rank
 from slafload.reader import COLUMNS, Reader
@@ -120,7 +124,7 @@ def raw_floor(ds: slafload.SlafDataset, target: int) -> int:
     return cells
 
 
-def slafload_run(ds, tokenizer: str, args, target: int) -> int:
+def slafload_run(ds, tokenizer: str, args, target: int, layout: str = "padded") -> int:
     with slafload.Loader(
         ds,
         tokenizer=tokenizer,
@@ -128,8 +132,9 @@ def slafload_run(ds, tokenizer: str, args, target: int) -> int:
         max_genes=args.max_genes,
         n_epochs=None,
         seed=0,
+        layout=layout,
     ) as loader:
-        return consume(iter(loader), target)
+        return consume(iter(loader), target, key="cell_integer_id")
 
 
 def slafdb_run(path: Path, tokenizer: str, args, target: int) -> int:
@@ -224,6 +229,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     p.add_argument("--no-peers", action="store_true", help="skip slafdb")
     p.add_argument("--data", default=str(ROOT / "data"), help="where the atlas is cached")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput.json"))
+    p.add_argument(
+        "--layouts",
+        default="longest,packed",
+        help="layouts timed end to end beside padded (comma-separated; '' for none)",
+    )
+    p.add_argument("--consumer-batches", type=int, default=300, help="next() calls timed")
+    p.add_argument(
+        "--step-ms", type=float, default=5.0, help="simulated training step while timing next()"
+    )
+    p.add_argument("--device", default=None, help="loader device for the next() timings")
     args = p.parse_args(argv)
 
     path = ensure_atlas(args)
@@ -233,10 +248,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
 
     results: dict[str, Any] = {}
     results["raw_scan"] = timed_runs("raw scan", lambda: raw_floor(ds, target), args.repeats)
+    layouts = [name for name in args.layouts.split(",") if name]
     for tok in ("geneformer", "scgpt"):
         results[f"slafload_{tok}"] = timed_runs(
             f"slafload {tok}", lambda tok=tok: slafload_run(ds, tok, args, target), args.repeats
         )
+        for layout in layouts:
+            results[f"slafload_{tok}_{layout}"] = timed_runs(
+                f"slafload {tok} {layout}",
+                lambda tok=tok, layout=layout: slafload_run(ds, tok, args, target, layout),
+                args.repeats,
+            )
     peers = not args.no_peers
     if peers:
         try:
@@ -258,6 +280,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     for tok in ("geneformer", "scgpt"):
         ours = results[f"slafload_{tok}"]["cells_per_s"]
         ratios[f"{tok}_fraction_of_raw_scan"] = ours / floor
+        for layout in layouts:
+            ratios[f"{tok}_{layout}_fraction_of_raw_scan"] = (
+                results[f"slafload_{tok}_{layout}"]["cells_per_s"] / floor
+            )
         if f"slafdb_{tok}" in results:
             ratios[f"{tok}_vs_slafdb"] = ours / results[f"slafdb_{tok}"]["cells_per_s"]
     report = {
@@ -276,12 +302,23 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
             "repeats": args.repeats,
             "peer_repeats": args.peer_repeats,
             "page_cache": "warm (atlas read once before timing; fits in RAM)",
+            "next_timing": f"{args.consumer_batches} next() calls after 20, each followed by a "
+            f"{args.step_ms} ms simulated training step; device {args.device or 'none (CPU)'}",
         },
         "results": results,
         "ratios": ratios,
         "profile_us_per_cell": {
             tok: profile_stages(ds, tok, args) for tok in ("geneformer", "scgpt")
         },
+        "layouts": layout_report(
+            ds,
+            ("geneformer", "scgpt"),
+            batch_size=args.batch_size,
+            max_genes=args.max_genes,
+            n_batches=args.consumer_batches,
+            step_s=args.step_ms / 1e3,
+            device=args.device,
+        ),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -317,6 +354,16 @@ def print_table(report: dict[str, Any]) -> None:
     for tok, prof in report["profile_us_per_cell"].items():
         parts = ", ".join(f"{k} {v:.1f}" for k, v in prof.items())
         print(f"profile {tok} (us/cell): {parts}")
+    print(
+        f"\n{'tokenizer/layout/tokenize_on':<30}{'tokens/batch':>13}{'real':>9}{'B/cell':>9}"
+        f"{'next p50 ms':>12}{'p99 ms':>9}  producer us/cell"
+    )
+    for name, r in report["layouts"].items():
+        prod = ", ".join(f"{k} {v:.1f}" for k, v in r["producer_us_per_cell"].items())
+        print(
+            f"{name:<30}{r['tokens_per_batch']:>13,.0f}{r['real_tokens_per_batch']:>9,.0f}"
+            f"{r['bytes_per_cell']:>9,.0f}{r['next_ms_p50']:>12.3f}{r['next_ms_p99']:>9.3f}  {prod}"
+        )
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
