@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import slafload
-from slafload.bench_layout import layout_report
+from slafload.bench_layout import PLACEMENTS, layout_report, layout_table
 from slafload.chunk import assemble, shuffle
 from slafload.rank import rank
 from slafload.reader import COLUMNS, Reader
@@ -94,19 +94,22 @@ def consume(batches: Iterator[dict[str, Any]], target: int, key: str = "input_id
 
 
 def timed_runs(label: str, run: Callable[[], int], repeats: int) -> dict[str, Any]:
-    """Median cells/s and peak RSS over ``repeats`` runs of ``run`` (returns cells)."""
-    rates, peaks = [], []
+    """Median cells/s, CPU time per cell (every thread of the process) and peak RSS over
+    ``repeats`` runs of ``run`` (returns cells)."""
+    rates, cpu, peaks = [], [], []
     for _ in progress(range(repeats), desc=label, leave=False):
         gc.collect()
         with PeakRss() as rss:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             cells = run()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         rates.append(cells / elapsed)
+        cpu.append(cpu_s / cells * 1e6)
         peaks.append(rss.peak)
     return {
         "cells_per_s": statistics.median(rates),
         "runs_cells_per_s": rates,
+        "cpu_us_per_cell": statistics.median(cpu),
         "peak_rss_mb": max(peaks) / 2**20,
     }
 
@@ -124,7 +127,9 @@ def raw_floor(ds: slafload.SlafDataset, target: int) -> int:
     return cells
 
 
-def slafload_run(ds, tokenizer: str, args, target: int, layout: str = "padded") -> int:
+def slafload_run(
+    ds, tokenizer: str, args, target: int, layout: str = "padded", **options: Any
+) -> int:
     with slafload.Loader(
         ds,
         tokenizer=tokenizer,
@@ -133,8 +138,15 @@ def slafload_run(ds, tokenizer: str, args, target: int, layout: str = "padded") 
         n_epochs=None,
         seed=0,
         layout=layout,
+        token_dtype=args.token_dtype,
+        **options,
     ) as loader:
-        return consume(iter(loader), target, key="cell_integer_id")
+        cells = consume(iter(loader), target, key="cell_integer_id")
+    if options.get("device") is not None and str(options["device"]).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()  # the device's queued work is part of the run
+    return cells
 
 
 def slafdb_run(path: Path, tokenizer: str, args, target: int) -> int:
@@ -234,11 +246,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         default="longest,packed",
         help="layouts timed end to end beside padded (comma-separated; '' for none)",
     )
+    p.add_argument("--token-dtype", default="int64", choices=["int64", "int32"])
     p.add_argument("--consumer-batches", type=int, default=300, help="next() calls timed")
     p.add_argument(
         "--step-ms", type=float, default=5.0, help="simulated training step while timing next()"
     )
-    p.add_argument("--device", default=None, help="loader device for the next() timings")
+    p.add_argument(
+        "--device",
+        default=None,
+        help="e.g. cuda: also time padded/packed delivered there, tokenized by the producer "
+        "or on the device, and time next() there",
+    )
     args = p.parse_args(argv)
 
     path = ensure_atlas(args)
@@ -257,6 +275,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
             results[f"slafload_{tok}_{layout}"] = timed_runs(
                 f"slafload {tok} {layout}",
                 lambda tok=tok, layout=layout: slafload_run(ds, tok, args, target, layout),
+                args.repeats,
+            )
+        # On an accelerator: tokens delivered on the device, tokenized by the producer or there
+        for layout, on in [(lay, on) for lay in ("padded", "packed") for on in PLACEMENTS]:
+            if args.device is None:
+                break
+            results[f"slafload_{tok}_{layout}_{on}_on_{args.device}"] = timed_runs(
+                f"slafload {tok} {layout} tokenize_on={on} on {args.device}",
+                lambda tok=tok, layout=layout, on=on: slafload_run(
+                    ds, tok, args, target, layout, tokenize_on=on, device=args.device
+                ),
                 args.repeats,
             )
     peers = not args.no_peers
@@ -297,6 +326,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         "settings": {
             "batch_size": args.batch_size,
             "max_genes": args.max_genes,
+            "token_dtype": args.token_dtype,
             "cells_per_run": target,
             "epochs_per_run": args.epochs,
             "repeats": args.repeats,
@@ -315,6 +345,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
             ("geneformer", "scgpt"),
             batch_size=args.batch_size,
             max_genes=args.max_genes,
+            token_dtype=args.token_dtype,
             n_batches=args.consumer_batches,
             step_s=args.step_ms / 1e3,
             device=args.device,
@@ -343,27 +374,18 @@ def print_table(report: dict[str, Any]) -> None:
         f"{s['epochs_per_run']} epochs per run, warm cache"
     )
     floor = report["results"]["raw_scan"]["cells_per_s"]
-    print(f"{'loader':<22}{'cells/s':>12}{'x raw scan':>12}{'peak RSS MB':>14}")
+    print(f"{'loader':<44}{'cells/s':>12}{'x raw scan':>12}{'CPU us/cell':>13}{'RSS MB':>8}")
     for name, r in report["results"].items():
         print(
-            f"{name:<22}{r['cells_per_s']:>12,.0f}{r['cells_per_s'] / floor:>12.2f}"
-            f"{r['peak_rss_mb']:>14,.0f}"
+            f"{name:<44}{r['cells_per_s']:>12,.0f}{r['cells_per_s'] / floor:>12.2f}"
+            f"{r['cpu_us_per_cell']:>13.1f}{r['peak_rss_mb']:>8,.0f}"
         )
     for name, value in report["ratios"].items():
         print(f"{name:<34}{value:>8.2f}")
     for tok, prof in report["profile_us_per_cell"].items():
         parts = ", ".join(f"{k} {v:.1f}" for k, v in prof.items())
         print(f"profile {tok} (us/cell): {parts}")
-    print(
-        f"\n{'tokenizer/layout/tokenize_on':<30}{'tokens/batch':>13}{'real':>9}{'B/cell':>9}"
-        f"{'next p50 ms':>12}{'p99 ms':>9}  producer us/cell"
-    )
-    for name, r in report["layouts"].items():
-        prod = ", ".join(f"{k} {v:.1f}" for k, v in r["producer_us_per_cell"].items())
-        print(
-            f"{name:<30}{r['tokens_per_batch']:>13,.0f}{r['real_tokens_per_batch']:>9,.0f}"
-            f"{r['bytes_per_cell']:>9,.0f}{r['next_ms_p50']:>12.3f}{r['next_ms_p99']:>9.3f}  {prod}"
-        )
+    print(layout_table(report["layouts"]))
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -158,6 +158,7 @@ def layout_report(
     *,
     batch_size: int,
     max_genes: int,
+    token_dtype: str = "int64",
     n_batches: int = 300,
     step_s: float = 0.005,
     device: str | None = None,
@@ -167,10 +168,26 @@ def layout_report(
     for tok in tokenizers:
         for on in PLACEMENTS:
             for layout in LAYOUTS:
-                settings = {"tokenize_on": on, "batch_size": batch_size, "max_genes": max_genes}
+                settings = {"tokenize_on": on, "batch_size": batch_size, "max_genes": max_genes,
+                            "token_dtype": token_dtype}  # fmt: skip
                 cost = consumer_cost(
                     ds, tok, layout, n_batches=n_batches, step_s=step_s, device=device, **settings
                 )
                 cost["producer_us_per_cell"] = producer_cost(ds, tok, layout, **settings)
                 report[f"{tok}/{layout}/{on}"] = cost
     return report
+
+
+def layout_table(report: dict[str, dict[str, Any]]) -> str:
+    """:func:`layout_report`'s rows as a text table."""
+    lines = [
+        f"\n{'tokenizer/layout/tokenize_on':<30}{'tokens/batch':>13}{'real':>9}{'B/cell':>9}"
+        f"{'next p50 ms':>12}{'p99 ms':>9}  producer us/cell"
+    ]
+    for name, r in report.items():
+        prod = ", ".join(f"{k} {v:.1f}" for k, v in r["producer_us_per_cell"].items())
+        lines.append(
+            f"{name:<30}{r['tokens_per_batch']:>13,.0f}{r['real_tokens_per_batch']:>9,.0f}"
+            f"{r['bytes_per_cell']:>9,.0f}{r['next_ms_p50']:>12.3f}{r['next_ms_p99']:>9.3f}  {prod}"
+        )
+    return "\n".join(lines)
