@@ -7,6 +7,7 @@ loader's producer thread and copied with ``non_blocking=True``.
 
     python examples/train_mlm.py                   # train, checkpoint to data/mlm_checkpoint.pt
     python examples/train_mlm.py --steps 400 --resume   # continue where the checkpoint stopped
+    python examples/train_mlm.py --layout packed   # no padding: varlen attention per cell
 
 The checkpoint holds the model, the optimizer, the masking RNG and the loader's position
 together, so a resumed run sees exactly the batches and masks an uninterrupted run would.
@@ -64,14 +65,37 @@ class MaskedGeneModel(nn.Module):
         x = self.encoder(x, src_key_padding_mask=~attention_mask)
         return self.head(self.norm(x))
 
+    def forward_packed(
+        self, ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits of a packed batch: one sequence of every cell's tokens, each cell attending
+        only to itself through a block-diagonal mask (what FlashAttention's varlen kernel does
+        without the mask; see docs/layouts.md)."""
+        x = self.tokens(ids) + self.positions(position_ids)
+        cell = cell_of_token(cu_seqlens, len(ids))
+        other_cell = cell[:, None] != cell[None, :]  # True: may not attend
+        x = self.encoder(x[None], mask=other_cell)[0]
+        return self.head(self.norm(x))
+
+
+def cell_of_token(cu_seqlens: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Index of the cell each token of a packed batch belongs to."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    cells = torch.arange(len(lengths), device=cu_seqlens.device)
+    return torch.repeat_interleave(cells, lengths, output_size=n_tokens)
+
 
 def mask_genes(
-    ids: torch.Tensor, prob: float, generator: torch.Generator
+    ids: torch.Tensor, draw: torch.Tensor, prob: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """BERT-style masking of gene tokens only (never CLS/SEP/PAD): inputs and labels."""
+    """BERT-style masking of gene tokens only (never CLS/SEP/PAD): inputs and labels.
+
+    ``draw`` holds a uniform number per token; it is drawn on a ``[batch, max_genes]`` grid in
+    every layout (packed tokens take theirs at ``[cell, position]``), so a packed run masks
+    exactly the tokens a padded run does.
+    """
     is_gene = ids >= GENE_OFFSET
-    draw = torch.rand(ids.shape, generator=generator).to(ids.device)
-    masked = is_gene & (draw < prob)
+    masked = is_gene & (draw.to(ids.device) < prob)
     labels = torch.where(masked, ids, torch.full_like(ids, -100))
     return torch.where(masked, torch.full_like(ids, MASK), ids), labels
 
@@ -98,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--layout", choices=["padded", "packed"], default="padded",
+        help="packed: no padding, cells attend only to themselves (block-diagonal mask)",
+    )  # fmt: skip
     known, _ = p.parse_known_args(argv)
     if known.tiny:
         p.set_defaults(**TINY)
@@ -119,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = slafload.Loader(
         ds, tokenizer="geneformer", max_genes=args.max_genes, batch_size=args.batch_size,
         chunk_cells=args.chunk_cells, seed=args.seed, n_epochs=None, drop_last=True,
-        device=device if cuda else None, pin_memory=cuda,
+        device=device if cuda else None, pin_memory=cuda, layout=args.layout,
     )  # fmt: skip
     vocab = ds.n_genes + GENE_OFFSET
     model = MaskedGeneModel(
@@ -160,9 +188,16 @@ def main(argv: list[str] | None = None) -> None:
         batches = iter(loader)
         while step < args.steps:
             batch = next(batches)
-            ids, attention = batch["input_ids"], batch["attention_mask"]
-            inputs, labels = mask_genes(ids, args.mask_prob, masking)
-            logits = model(inputs, attention)
+            ids, n_cells = batch["input_ids"], len(batch["cell_integer_id"])
+            draw = torch.rand((n_cells, args.max_genes), generator=masking)
+            if args.layout == "packed":
+                positions, cu = batch["position_ids"], batch["cu_seqlens"]
+                draw = draw.to(ids.device)[cell_of_token(cu, len(ids)), positions]
+                inputs, labels = mask_genes(ids, draw, args.mask_prob)
+                logits = model.forward_packed(inputs, positions, cu)
+            else:
+                inputs, labels = mask_genes(ids, draw, args.mask_prob)
+                logits = model(inputs, batch["attention_mask"])
             loss = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1))
             if torch.isnan(loss):  # no gene was masked in this batch: nothing to learn
                 loss = logits.sum() * 0.0
@@ -170,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             loss.backward()
             optimizer.step()
             step += 1
-            cells += len(ids)
+            cells += n_cells
             window.append(loss.item())
             if step % args.log_every == 0 or step == args.steps:
                 mean = sum(window) / len(window)

@@ -58,7 +58,7 @@ class Batcher:
         parts, self._pending, self._pending_rows = self._pending, [], 0
         if len(parts) == 1:
             return dict(parts[0])
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return {k: _concat([p[k] for p in parts]) for k in parts[0]}
 
 
 def _rows(arrays: Arrays) -> int:
@@ -66,6 +66,13 @@ def _rows(arrays: Arrays) -> int:
     if len(lengths) != 1:
         raise ValueError(f"arrays must have equal lengths, got {sorted(lengths)}")
     return lengths.pop()
+
+
+def _concat(values: list) -> np.ndarray:
+    """Join row-aligned values; containers of variable-length rows join themselves."""
+    if hasattr(values[0], "concat"):
+        return values[0].concat(values)
+    return np.concatenate(values)
 
 
 def _slice(arrays: Arrays, start: int, stop: int) -> dict[str, np.ndarray]:

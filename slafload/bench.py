@@ -7,7 +7,10 @@ queue can hold), stopping right there. The page cache is warmed by a full scan f
 
 Reported: cells/s per loader (median of ``--repeats`` runs), the raw floor (a bare Lance scan
 of the same rows, no processing), the ratios, peak RSS during each run, and a per-stage
-profile of slafload's producer. Writes JSON (and a PNG bar chart when matplotlib is there).
+profile of slafload's producer. For every layout (``padded``, ``longest``, ``packed``) and
+tokenize placement: cells/s, tokens per batch, bytes per cell delivered, the training thread's
+time in ``next()`` (p50/p99) and the producer's tokenizing cost (:mod:`slafload.bench_layout`).
+Writes JSON (and a PNG bar chart when matplotlib is there).
 
     python benchmarks/throughput.py                      # the README's main command
     python benchmarks/throughput.py --cells 200000 --no-peers
@@ -38,6 +41,7 @@ from typing import Any
 import numpy as np
 
 import slafload
+from slafload.bench_layout import PLACEMENTS, layout_report, layout_table
 from slafload.chain import ChainSpec, build_chain
 from slafload.epochs import Run
 from slafload.presets import make_preset
@@ -97,19 +101,22 @@ def consume(batches: Iterator[dict[str, Any]], target: int, key: str = "input_id
 
 
 def timed_runs(label: str, run: Callable[[], int], repeats: int) -> dict[str, Any]:
-    """Median cells/s and peak RSS over ``repeats`` runs of ``run`` (returns cells)."""
-    rates, peaks = [], []
+    """Median cells/s, CPU time per cell (every thread of the process) and peak RSS over
+    ``repeats`` runs of ``run`` (returns cells)."""
+    rates, cpu, peaks = [], [], []
     for _ in progress(range(repeats), desc=label, leave=False):
         gc.collect()
         with PeakRss() as rss:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             cells = run()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
         rates.append(cells / elapsed)
+        cpu.append(cpu_s / cells * 1e6)
         peaks.append(rss.peak)
     return {
         "cells_per_s": statistics.median(rates),
         "runs_cells_per_s": rates,
+        "cpu_us_per_cell": statistics.median(cpu),
         "peak_rss_mb": max(peaks) / 2**20,
     }
 
@@ -127,6 +134,7 @@ def raw_floor(ds: slafload.SlafDataset, target: int) -> int:
     return cells
 
 
+BUILTINS = ("geneformer", "scgpt")
 PRESETS = ("geneformer-v2", "geneformer-v1", "scgpt-reference")
 
 
@@ -157,7 +165,9 @@ def preset_options(ds: slafload.SlafDataset, name: str, seed: int = 0) -> dict[s
     }
 
 
-def slafload_run(ds, tokenizer: str, args, target: int) -> int:
+def slafload_run(
+    ds, tokenizer: str, args, target: int, layout: str = "padded", **settings: Any
+) -> int:
     options = preset_options(ds, tokenizer) if tokenizer in PRESETS else None
     with slafload.Loader(
         ds,
@@ -167,8 +177,16 @@ def slafload_run(ds, tokenizer: str, args, target: int) -> int:
         max_genes=args.max_genes,
         n_epochs=None,
         seed=0,
+        layout=layout,
+        token_dtype=args.token_dtype,
+        **settings,
     ) as loader:
-        return consume(iter(loader), target)
+        cells = consume(iter(loader), target, key="cell_integer_id")
+    if settings.get("device") is not None and str(settings["device"]).startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()  # the device's queued work is part of the run
+    return cells
 
 
 def slafdb_run(path: Path, tokenizer: str, args, target: int) -> int:
@@ -279,6 +297,22 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     p.add_argument("--no-presets", action="store_true", help="skip the published-model presets")
     p.add_argument("--data", default=str(ROOT / "data"), help="where the atlas is cached")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput.json"))
+    p.add_argument(
+        "--layouts",
+        default="longest,packed",
+        help="layouts timed end to end beside padded (comma-separated; '' for none)",
+    )
+    p.add_argument("--token-dtype", default="int64", choices=["int64", "int32"])
+    p.add_argument("--consumer-batches", type=int, default=300, help="next() calls timed")
+    p.add_argument(
+        "--step-ms", type=float, default=5.0, help="simulated training step while timing next()"
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="e.g. cuda: also time padded/packed delivered there, tokenized by the producer "
+        "or on the device, and time next() there",
+    )
     args = p.parse_args(argv)
 
     path = ensure_atlas(args)
@@ -288,11 +322,29 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
 
     results: dict[str, Any] = {}
     results["raw_scan"] = timed_runs("raw scan", lambda: raw_floor(ds, target), args.repeats)
-    ours = ("geneformer", "scgpt") + (() if args.no_presets else PRESETS)
+    layouts = [name for name in args.layouts.split(",") if name]
+    ours = BUILTINS + (() if args.no_presets else PRESETS)
     for tok in ours:
         results[f"slafload_{tok}"] = timed_runs(
             f"slafload {tok}", lambda tok=tok: slafload_run(ds, tok, args, target), args.repeats
         )
+        for layout in layouts if tok in BUILTINS else ():  # presets: their model's layout
+            results[f"slafload_{tok}_{layout}"] = timed_runs(
+                f"slafload {tok} {layout}",
+                lambda tok=tok, layout=layout: slafload_run(ds, tok, args, target, layout),
+                args.repeats,
+            )
+        # On an accelerator: tokens delivered on the device, tokenized by the producer or there
+        for layout, on in [(lay, on) for lay in ("padded", "packed") for on in PLACEMENTS]:
+            if args.device is None or tok not in BUILTINS:
+                break
+            results[f"slafload_{tok}_{layout}_{on}_on_{args.device}"] = timed_runs(
+                f"slafload {tok} {layout} tokenize_on={on} on {args.device}",
+                lambda tok=tok, layout=layout, on=on: slafload_run(
+                    ds, tok, args, target, layout, tokenize_on=on, device=args.device
+                ),
+                args.repeats,
+            )
     peers = not args.no_peers
     if peers:
         try:
@@ -314,6 +366,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     for tok in ours:
         rate = results[f"slafload_{tok}"]["cells_per_s"]
         ratios[f"{tok}_fraction_of_raw_scan"] = rate / floor
+        for layout in layouts:
+            if f"slafload_{tok}_{layout}" in results:
+                ratios[f"{tok}_{layout}_fraction_of_raw_scan"] = (
+                    results[f"slafload_{tok}_{layout}"]["cells_per_s"] / floor
+                )
         if f"slafdb_{tok}" in results:
             ratios[f"{tok}_vs_slafdb"] = rate / results[f"slafdb_{tok}"]["cells_per_s"]
     report = {
@@ -334,15 +391,28 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
                 "geneformer-v1": 2048,
                 "scgpt-reference": 3001,
             },  # each model's default, whatever max_genes says
+            "token_dtype": args.token_dtype,
             "cells_per_run": target,
             "epochs_per_run": args.epochs,
             "repeats": args.repeats,
             "peer_repeats": args.peer_repeats,
             "page_cache": "warm (atlas read once before timing; fits in RAM)",
+            "next_timing": f"{args.consumer_batches} next() calls after 20, each followed by a "
+            f"{args.step_ms} ms simulated training step; device {args.device or 'none (CPU)'}",
         },
         "results": results,
         "ratios": ratios,
         "profile_us_per_cell": {tok: profile_stages(ds, tok, args) for tok in ours},
+        "layouts": layout_report(
+            ds,
+            ("geneformer", "scgpt"),
+            batch_size=args.batch_size,
+            max_genes=args.max_genes,
+            token_dtype=args.token_dtype,
+            n_batches=args.consumer_batches,
+            step_s=args.step_ms / 1e3,
+            device=args.device,
+        ),
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
@@ -367,17 +437,18 @@ def print_table(report: dict[str, Any]) -> None:
         f"{s['epochs_per_run']} epochs per run, warm cache"
     )
     floor = report["results"]["raw_scan"]["cells_per_s"]
-    print(f"{'loader':<22}{'cells/s':>12}{'x raw scan':>12}{'peak RSS MB':>14}")
+    print(f"{'loader':<44}{'cells/s':>12}{'x raw scan':>12}{'CPU us/cell':>13}{'RSS MB':>8}")
     for name, r in report["results"].items():
         print(
-            f"{name:<22}{r['cells_per_s']:>12,.0f}{r['cells_per_s'] / floor:>12.2f}"
-            f"{r['peak_rss_mb']:>14,.0f}"
+            f"{name:<44}{r['cells_per_s']:>12,.0f}{r['cells_per_s'] / floor:>12.2f}"
+            f"{r['cpu_us_per_cell']:>13.1f}{r['peak_rss_mb']:>8,.0f}"
         )
     for name, value in report["ratios"].items():
         print(f"{name:<34}{value:>8.2f}")
     for tok, prof in report["profile_us_per_cell"].items():
         parts = ", ".join(f"{k} {v:.1f}" for k, v in prof.items())
         print(f"profile {tok} (us/cell): {parts}")
+    print(layout_table(report["layouts"]))
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -3,7 +3,7 @@
 :func:`build_chain` names every stage in the order data flows through it::
 
     parts -> Read -> Assemble -> Shuffle -> Transform -> Split -> RankGenes -> Tokenize
-          -> Batches -> ToTorch
+          -> Batches -> LayOut -> ToTorch
 
 :class:`~slafload.Loader` (on its prefetch thread), the ``IterableDataset`` face and the
 benchmark's stage profile all run this same function; epochs and positions are the business
@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from slafload.batcher import Batches, ToTorch
 from slafload.chunk import Assemble, Shuffle, Split, Transform
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
+from slafload.layout import LayOut, TokenStage, make_token_stage
 from slafload.partition import Part
 from slafload.ranking import RankGenes
 from slafload.read import Read, RetryingReader
@@ -55,6 +57,11 @@ class ChainSpec:
     transforms: tuple[ChunkTransform, ...] = ()
     obs: Mapping[str, np.ndarray] = field(default_factory=dict)
     pin_memory: bool = False
+
+    @cached_property
+    def tokens(self) -> TokenStage:
+        """Ranking, tokenizing and layout, as ``config.layout`` and ``tokenize_on`` ask."""
+        return make_token_stage(self.tokenizer, self.config)
 
     def for_epoch(self, epoch: int) -> ChainSpec:
         """This spec with its epoch-aware tokenizer and transforms bound to ``epoch``.
@@ -107,7 +114,8 @@ def build_chain(
     s = observe("shuffle", Shuffle(s))
     s = observe("transform", Transform(s, spec.transforms))
     s = observe("split", Split(s, cfg.piece_cells))
-    s = observe("rank", RankGenes(s, lookahead=1))
-    s = observe("tokenize", Tokenize(s, spec.tokenizer, spec.obs))
+    s = observe("rank", RankGenes(s, start=spec.tokens.start, lookahead=1))
+    s = observe("tokenize", Tokenize(s, spec.tokens, spec.obs))
     s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last))
+    s = observe("layout", LayOut(s, spec.tokens))
     return observe("to_torch", ToTorch(s, pin_memory=spec.pin_memory))

@@ -91,6 +91,13 @@ class LoaderConfig:
             fetch's coalesced spans (the wanted rows plus any short gaps read through) until
             its turn. ``0`` reads each fetch only when it is needed.
         retry: Retries of a fetch after a transient storage failure.
+        layout: How a batch's token rows are laid out (see :mod:`slafload.layout`):
+            ``"padded"`` (fixed width, slafdb's), ``"longest"`` (padded to the batch's
+            longest cell) or ``"packed"`` (every cell's tokens back to back, ``cu_seqlens``).
+        token_dtype: ``"int64"`` or ``"int32"``, the integer type of token id streams.
+        tokenize_on: ``"producer"`` (rank and tokenize on the producer thread) or
+            ``"device"`` (ship each batch's sparse expression and rank, bin and lay out
+            tokens with torch ops on the loader's device; see :mod:`slafload.device_tokenize`).
     """
 
     batch_size: int = 32
@@ -105,6 +112,9 @@ class LoaderConfig:
     read_batch_rows: int = 1 << 20
     read_ahead: int = 1
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    layout: str = "padded"
+    token_dtype: str = "int64"
+    tokenize_on: str = "producer"
 
     def __post_init__(self) -> None:
         positive = ("batch_size", "max_genes", "chunk_cells", "piece_cells", "queue_depth")
@@ -114,4 +124,12 @@ class LoaderConfig:
         check_int("n_epochs", self.n_epochs, none_ok=True)
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
+        choices = {
+            "layout": ("padded", "longest", "packed"),
+            "token_dtype": ("int64", "int32"),
+            "tokenize_on": ("producer", "device"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         check_int("seed", self.seed, low=0)

@@ -53,3 +53,7 @@ class ReadError(LoaderError):
 
 class StateError(LoaderError, ValueError):
     """A ``state_dict`` does not fit the loader it is loaded into."""
+
+
+class LayoutError(SlafloadError, ValueError):
+    """A tokenizer cannot be used with the requested ``layout`` or ``tokenize_on``."""

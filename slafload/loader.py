@@ -26,7 +26,7 @@ from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.distributed import resolve_rank
 from slafload.epochs import Delivery, Position, Run
-from slafload.errors import StateError
+from slafload.errors import LayoutError, StateError
 from slafload.prefetcher import Prefetcher
 from slafload.presets import PRESET_NAMES, Preset, make_preset
 from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
@@ -59,7 +59,12 @@ class Loader:
             ``n_epochs``, ``shuffle``, ``drop_last``, ``chunk_cells``, ``queue_depth``...).
 
     Each batch holds the tokenizer's arrays (``input_ids``, ``attention_mask``, ...) and
-    ``cell_integer_id``. Use as an iterable, and ``close()`` it or use ``with``.
+    ``cell_integer_id``; ``layout="longest"`` pads them only to the batch's longest cell and
+    ``layout="packed"`` puts every cell's tokens back to back with ``cu_seqlens`` and
+    ``position_ids`` (see :mod:`slafload.layout`). ``tokenize_on="device"`` ships each
+    batch's sparse expression instead and tokenizes it on ``device`` in ``next()``, with
+    identical results (see :mod:`slafload.device_tokenize`). Use as an iterable, and
+    ``close()`` it or use ``with``.
     """
 
     def __init__(
@@ -143,6 +148,7 @@ class Loader:
             pin_memory=self.pin_memory,
         )
         self._run = Run(spec, self.sampler, rank=self.rank, world_size=self.world_size)
+        spec.tokens  # noqa: B018  (checks the tokenizer fits layout/tokenize_on now)
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -200,7 +206,18 @@ class Loader:
         self._position = position
 
     def as_torch_dataset(self) -> SlafIterableDataset:
-        """This loader as a ``torch.utils.data.IterableDataset`` (see :mod:`slafload.torch_data`)."""
+        """This loader as a ``torch.utils.data.IterableDataset`` (see :mod:`slafload.torch_data`).
+
+        Raises:
+            LayoutError: the loader tokenizes on the device (``tokenize_on="device"``), which
+                only the training process can do; DataLoader workers are other processes.
+        """
+        if self.config.tokenize_on == "device":
+            raise LayoutError(
+                "tokenize_on='device' tokenizes on the training thread's device, which "
+                "DataLoader worker processes cannot reach; iterate the Loader itself, or use "
+                "tokenize_on='producer' with as_torch_dataset()"
+            )
         return SlafIterableDataset(
             uri=self.dataset.uri,
             versions=self.dataset.versions,
@@ -251,6 +268,7 @@ class _LoaderIterator(Iterator[Batch]):
         )
         self._device = loader.device
         self._non_blocking = loader.pin_memory
+        self._consume = run.spec.tokens.consume  # device move (and device-side tokenizing)
         # Stops the thread if this iterator is dropped without close() (e.g. after `break`).
         self._finalizer = weakref.finalize(self, self._prefetcher.close)
 
@@ -259,12 +277,7 @@ class _LoaderIterator(Iterator[Batch]):
         loader = self._loader()
         if loader is not None:
             loader._position = delivery.after
-        batch = delivery.batch
-        if self._device is not None and self._device.type != "cpu":
-            batch = {
-                k: v.to(self._device, non_blocking=self._non_blocking) for k, v in batch.items()
-            }
-        return batch
+        return self._consume(delivery.batch, self._device, self._non_blocking)
 
     def close(self) -> None:
         self._finalizer()

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from slafload.chunk import Chunk
 from slafload.dataset import SlafDataset
 from slafload.errors import SchemaError, VocabularyError
 from slafload.presets import (
@@ -42,7 +41,7 @@ from slafload.presets import (
     measure_coverage,
 )
 from slafload.tokenizers import _destinations
-from slafload.types import RankedChunk
+from slafload.types import Chunk, RankedChunk
 
 TARGET_SUM = 10_000
 PathOrDict = str | os.PathLike[str] | dict

@@ -12,7 +12,8 @@ The result keeps the chunk's CSR layout, so a cell's ranked genes are contiguous
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -91,21 +92,30 @@ def start_rank(chunk: Chunk) -> PendingRank:
     return PendingRank(chunk, indptr, genes, values, collect_in_background(query))
 
 
-class RankGenes(Stage[RankedChunk]):
-    """Each piece with its genes ranked, ``lookahead`` pieces ranking ahead on Polars' threads.
+class RankGenes(Stage[Any]):
+    """Starts each piece's token work ``lookahead`` pieces ahead; yields the started work.
 
-    With one piece of lookahead, Polars ranks piece ``i + 1`` while the tokenizer (numpy, this
-    thread) works on piece ``i``, so both cores work. If pulling the next piece fails, the
-    pieces already being ranked are handed on first and the failure is raised after them.
+    ``start`` is the token stage's (:mod:`slafload.layout`): on the producer it ranks the
+    piece on Polars' threads (:func:`start_rank`), for device tokenizing it only packs the
+    piece's CSR. With one piece of lookahead, Polars ranks piece ``i + 1`` while the
+    tokenizer (numpy, this thread) works on piece ``i``, so both cores work. If pulling the
+    next piece fails, the pieces already started are handed on first and the failure is
+    raised after them.
     """
 
-    def __init__(self, source: Iterator[Chunk], *, lookahead: int = 1):
+    def __init__(
+        self,
+        source: Iterator[Chunk],
+        *,
+        start: Callable[[Chunk], Any] = start_rank,
+        lookahead: int = 1,
+    ):
         super().__init__(source)
-        self.lookahead = lookahead
-        self._pending: list[PendingRank] = []
+        self.start, self.lookahead = start, lookahead
+        self._pending: list[Any] = []
         self._failure: BaseException | None = None
 
-    def __next__(self) -> RankedChunk:
+    def __next__(self) -> Any:
         while self._failure is None and len(self._pending) <= self.lookahead:
             try:
                 piece = next(self.source)
@@ -114,9 +124,9 @@ class RankGenes(Stage[RankedChunk]):
             except Exception as exc:  # deliver what was read before the failure, then raise
                 self._failure = exc
                 break
-            self._pending.append(start_rank(piece))
+            self._pending.append(self.start(piece))
         if self._pending:
-            return self._pending.pop(0).result()
+            return self._pending.pop(0)
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
@@ -125,6 +135,6 @@ class RankGenes(Stage[RankedChunk]):
     def close(self) -> None:
         """Wait out rankings in flight (Polars must never send to nobody), close the source."""
         pending, self._pending = self._pending, []
-        for ranking in pending:
-            ranking.discard()
+        for work in pending:
+            work.discard()
         super().close()

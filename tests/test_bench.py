@@ -17,3 +17,23 @@ def test_a_cached_atlas_is_reused_when_it_matches_and_rewritten_when_it_does_not
     (path / "config.json").write_text("{}")  # no generator record: cannot be trusted
     assert ensure_atlas(args) == path
     assert "generator" in (path / "config.json").read_text()
+
+
+def test_the_layout_report_counts_what_each_layout_delivers(small_slaf):
+    from slafload import open_dataset
+    from slafload.bench_layout import layout_report
+
+    report = layout_report(
+        open_dataset(small_slaf), ("geneformer",), batch_size=32, max_genes=8, n_batches=4,
+        step_s=0.0,
+    )  # fmt: skip
+    assert set(report) == {f"geneformer/{lay}/{on}" for lay in ("padded", "longest", "packed")
+                           for on in ("producer", "device")}  # fmt: skip
+    padded, packed = report["geneformer/padded/producer"], report["geneformer/packed/producer"]
+    assert padded["tokens_per_batch"] == 32 * 8  # every position of [batch, max_genes]
+    assert packed["tokens_per_batch"] == packed["real_tokens_per_batch"]
+    assert packed["real_tokens_per_batch"] == padded["real_tokens_per_batch"]
+    assert report["geneformer/packed/device"]["tokens_per_batch"] == packed["tokens_per_batch"]
+    for row in report.values():
+        assert row["next_ms_p99"] >= row["next_ms_p50"] > 0
+        assert set(row["producer_us_per_cell"]) == {"rank", "tokenize", "batch+layout"}

@@ -137,7 +137,9 @@ def test_a_failure_to_plan_a_later_fetch_comes_after_the_earlier_fetches(small_s
     assert got == [0, 1]
 
 
-STAGES = ["read", "assemble", "shuffle", "transform", "split", "rank", "tokenize", "batch"]
+STAGES = [
+    "read", "assemble", "shuffle", "transform", "split", "rank", "tokenize", "batch", "layout"
+]  # fmt: skip
 
 
 def test_one_function_builds_the_chain_naming_every_stage_in_order(small_slaf):

@@ -1,0 +1,212 @@
+"""Stage 6b: lay out each batch's token rows: padded, padded to the longest cell, or packed.
+
+``Loader(layout=...)`` picks one of three :class:`Layout` strategies; a batch is always
+``batch_size`` cells, only the shape of its token streams changes:
+
+``"padded"`` (default)
+    Today's fixed ``[batch, width]`` arrays, slafdb-compatible, exactly as the tokenizer made
+    them.
+``"longest"``
+    The same rows padded only to the longest cell of the batch (Hugging Face's collator
+    convention): ``padded[:, :width]`` where ``width`` is that cell's token count.
+``"packed"``
+    No padding at all: every token stream (``input_ids``, scGPT ``values``, raw ``gene_ids``
+    and ``values``) is one 1-D tensor of the batch's cells back to back;
+    ``cu_seqlens`` (``int32 [batch + 1]``, FlashAttention's varlen convention) holds where
+    each cell starts and ``position_ids`` restart at 0 for each cell. There is no
+    ``attention_mask``: every token is real, and the cell boundaries are ``cu_seqlens``.
+
+Per-cell arrays (``cell_integer_id``, obs codes, raw ``lengths``) are the same in every
+layout. ``token_dtype="int32"`` makes every integer token stream (and ``position_ids``)
+``int32``; ``cu_seqlens`` is always ``int32``, per-cell arrays stay ``int64``.
+
+The producer side of tokenizing is a *token stage* with four steps, so any chain of stages
+can call it: ``start(piece)`` begins the work on a piece (ranking, on Polars' threads),
+``rows(pending)`` returns the piece's row-aligned arrays and output cell ids, ``finish(batch)``
+lays out one batch's rows, and ``consume(batch, device)`` is the consumer's last step (a move
+to the device here; tokenizing there for :mod:`slafload.device_tokenize`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from slafload.config import LoaderConfig
+from slafload.ragged import RAGGED_KEY, Ragged, ragged_tokens
+from slafload.ranking import PendingRank, start_rank
+from slafload.stage import Stage
+from slafload.types import Chunk, Tokenizer
+
+INT64 = np.dtype(np.int64)
+Arrays = dict[str, Any]  # row-aligned numpy arrays, and at most one Ragged under RAGGED_KEY
+
+
+class Pending(Protocol):
+    """Work started on a piece: :meth:`discard` must be called if it is never collected."""
+
+    def discard(self) -> None: ...
+
+
+class Layout(Protocol):
+    """Turns one batch's rows (numpy, possibly a :class:`Ragged`) into its output arrays."""
+
+    name: str
+    ragged: bool  # whether pieces are tokenized straight into Ragged rows
+    token_dtype: np.dtype
+
+    def piece(self, arrays: Arrays) -> Arrays: ...
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class _Layout:
+    token_dtype: np.dtype = INT64  # of integer token streams and position_ids
+
+    def piece(self, arrays: Arrays) -> Arrays:
+        """A whole piece's rows, before batching: add what is cheaper made once per piece."""
+        return arrays
+
+
+class Padded(_Layout):
+    """The tokenizer's own fixed-width rows, untouched."""
+
+    name = "padded"
+    ragged = False
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        return dict(batch)
+
+
+class Longest(_Layout):
+    """Rows padded to the longest cell of the batch, with ``attention_mask`` if padded had it."""
+
+    name = "longest"
+    ragged = True
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        cells, rows = _split(batch)
+        lengths = rows.lengths
+        width = int(lengths.max()) if len(lengths) else 0
+        out = rows.padded(width)
+        if rows.masked:
+            out["attention_mask"] = np.arange(width) < lengths[:, None]
+        return {**out, **cells}
+
+
+class Packed(_Layout):
+    """Token streams back to back, with ``cu_seqlens`` and per-cell ``position_ids``."""
+
+    name = "packed"
+    ragged = True
+
+    def piece(self, arrays: Arrays) -> Arrays:
+        # Positions count within a cell, so a piece's stream sliced at cell boundaries is each
+        # batch's: one pass per piece instead of one numpy call chain per batch.
+        rows = arrays[RAGGED_KEY]
+        streams = {**rows.streams, "position_ids": position_ids(rows.offsets, self.token_dtype)}
+        pads = {**rows.pads, "position_ids": 0}
+        return {**arrays, RAGGED_KEY: Ragged(rows.offsets, streams, pads, rows.masked)}
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        cells, rows = _split(batch)
+        return {**rows.streams, "cu_seqlens": rows.offsets.astype(np.int32), **cells}
+
+
+LAYOUTS = {cls.name: cls for cls in (Padded, Longest, Packed)}
+
+
+def make_layout(name: str, token_dtype: str = "int64") -> Layout:
+    """The :class:`Layout` called ``name`` (``padded``, ``longest`` or ``packed``)."""
+    if name not in LAYOUTS:
+        raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {name!r}")
+    return LAYOUTS[name](np.dtype(token_dtype))
+
+
+def position_ids(offsets: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``0, 1, ..`` restarting at every row start of ``offsets``."""
+    total = int(offsets[-1])
+    starts = np.repeat(offsets[:-1], np.diff(offsets))
+    return np.subtract(np.arange(total, dtype=np.int64), starts, dtype=dtype, casting="unsafe")
+
+
+def _split(batch: Arrays) -> tuple[dict[str, np.ndarray], Ragged]:
+    """The batch's per-cell arrays, and its token rows."""
+    return {k: v for k, v in batch.items() if k != RAGGED_KEY}, batch[RAGGED_KEY]
+
+
+class TokenStage(Protocol):
+    """The producer's tokenizing steps and the consumer's last step (see the module doc)."""
+
+    def start(self, piece: Chunk) -> Pending: ...
+
+    def rows(self, pending: Any) -> tuple[Arrays, np.ndarray]: ...
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]: ...
+
+    def consume(
+        self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
+    ) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class HostTokens:
+    """Rank on Polars' threads and tokenize with numpy on the producer thread."""
+
+    tokenizer: Tokenizer
+    layout: Layout
+
+    def start(self, piece: Chunk) -> PendingRank:
+        return start_rank(piece)
+
+    def rows(self, pending: PendingRank) -> tuple[Arrays, np.ndarray]:
+        ranked = pending.result()
+        dtype = self.layout.token_dtype
+        if self.layout.ragged:
+            arrays = self.layout.piece(ragged_tokens(self.tokenizer, ranked, dtype))
+        else:
+            arrays = dict(self.tokenizer(ranked))
+            if dtype != np.int64:
+                arrays = {k: _narrow(v, dtype) for k, v in arrays.items()}
+        return arrays, ranked.output_cell_ids
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        return self.layout.finish(batch)
+
+    def consume(
+        self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
+    ) -> dict[str, torch.Tensor]:
+        if device is None or device.type == "cpu":
+            return dict(batch)
+        return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
+
+def _narrow(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Token rows (2-D ``int64``) in ``dtype``; per-cell arrays unchanged."""
+    return array.astype(dtype) if array.ndim == 2 and array.dtype == np.int64 else array
+
+
+def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig) -> TokenStage:
+    """The token stage ``config.tokenize_on`` and ``config.layout`` ask for."""
+    layout = make_layout(config.layout, config.token_dtype)
+    if config.tokenize_on == "device":
+        from slafload.device_tokenize import DeviceTokens
+
+        return DeviceTokens(tokenizer, layout)
+    return HostTokens(tokenizer, layout)
+
+
+class LayOut(Stage[dict[str, np.ndarray]]):
+    """Each batch's token rows in the loader's layout (padded, longest or packed)."""
+
+    def __init__(self, source: Any, tokens: TokenStage):
+        super().__init__(source)
+        self.tokens = tokens
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self.tokens.finish(next(self.source))

@@ -1,0 +1,205 @@
+"""Variable-length token rows, and the built-in tokenizers writing straight into them.
+
+A :class:`Ragged` holds the token streams of ``n`` cells back to back (``input_ids``, scGPT's
+``values``...), all aligned on one ``offsets`` array. The batcher cuts and joins it like any
+row-aligned array (``len``, slicing, :meth:`Ragged.concat`), and a layout
+(:mod:`slafload.layout`) turns each batch's rows into packed or padded tensors.
+
+:func:`ragged_tokens` makes one from a ranked piece: the built-ins (``geneformer``, ``scgpt``,
+``raw``) write only real tokens, so no padding is filled and then stripped; any other
+tokenizer is run as usual and stripped of its padding by its ``attention_mask``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from slafload.errors import LayoutError
+from slafload.ranges import expand
+from slafload.tokenizers import CLS, GENE_OFFSET, SEP, Geneformer, Raw, ScGPT, Tokenizer
+from slafload.types import RankedChunk
+
+RAGGED_KEY = "tokens"  # the key a piece's Ragged travels under until the layout expands it
+
+
+@dataclass(frozen=True, eq=False)
+class Ragged:
+    """Token streams of ``n`` rows: row ``i``'s tokens are ``stream[offsets[i]:offsets[i+1]]``.
+
+    Attributes:
+        offsets: ``int64[n + 1]``, ``offsets[0] == 0``, non-decreasing.
+        streams: Aligned 1-D arrays of ``offsets[-1]`` tokens each.
+        pads: The padding value of each stream in the padded layout.
+        masked: Whether the padded layout carries an ``attention_mask``.
+    """
+
+    offsets: np.ndarray
+    streams: Mapping[str, np.ndarray]
+    pads: Mapping[str, int | float]
+    masked: bool = True
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def __getitem__(self, rows: slice) -> Ragged:
+        """Rows ``[start, stop)``; the streams are views, the offsets rebased to 0."""
+        start, stop, step = rows.indices(len(self))
+        if step != 1:
+            raise ValueError("Ragged rows can only be sliced contiguously")
+        stop = max(start, stop)
+        lo, hi = int(self.offsets[start]), int(self.offsets[stop])
+        streams = {k: v[lo:hi] for k, v in self.streams.items()}
+        return Ragged(self.offsets[start : stop + 1] - lo, streams, self.pads, self.masked)
+
+    @staticmethod
+    def concat(parts: Sequence[Ragged]) -> Ragged:
+        """The rows of ``parts``, in order (all with the same streams)."""
+        first = parts[0]
+        shifts = np.cumsum([0] + [int(p.offsets[-1]) for p in parts[:-1]])
+        offsets = np.concatenate(
+            [first.offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shifts, strict=True)]
+        )
+        streams = {k: np.concatenate([p.streams[k] for p in parts]) for k in first.streams}
+        return Ragged(offsets, streams, first.pads, first.masked)
+
+    def padded(self, width: int) -> dict[str, np.ndarray]:
+        """Each stream as ``[n, width]`` rows padded with its pad value (rows must fit)."""
+        n, lengths = len(self), self.lengths
+        flat = expand(np.arange(n, dtype=np.int64) * width, lengths)
+        out = {}
+        for key, stream in self.streams.items():
+            rows = np.full((n, width), self.pads[key], dtype=stream.dtype)
+            rows.reshape(-1)[flat] = stream
+            out[key] = rows
+        return out
+
+
+def ragged_tokens(tokenizer: Tokenizer, ranked: RankedChunk, dtype: np.dtype) -> dict:
+    """``tokenizer``'s output for ``ranked`` with its token rows as one :class:`Ragged`.
+
+    Returns a dict of row-aligned arrays whose token streams sit in a ``Ragged`` under
+    :data:`RAGGED_KEY`; per-cell arrays (e.g. raw's ``lengths``) stay as they are. Integer
+    token streams have ``dtype``.
+
+    Raises:
+        LayoutError: a third-party tokenizer's output has no ``attention_mask`` to tell its
+            padding from its tokens.
+    """
+    kind = _builtin(tokenizer)
+    if kind is Geneformer:
+        return _geneformer(tokenizer, ranked, dtype)
+    if kind is ScGPT:
+        return _scgpt(tokenizer, ranked, dtype)
+    if kind is Raw:
+        return _raw(tokenizer, ranked, dtype)
+    return strip(dict(tokenizer(ranked)), dtype, name=tokenizer.name)
+
+
+def _builtin(tokenizer: Tokenizer) -> type | None:
+    """The built-in class whose token layout ``tokenizer`` produces, if any.
+
+    A subclass counts when it keeps the built-in's ``__call__`` (e.g. scGPT with other bins:
+    only :meth:`ScGPT.bins` differs, and the ragged path calls it too).
+    """
+    for kind in (Geneformer, ScGPT, Raw):
+        if isinstance(tokenizer, kind) and type(tokenizer).__call__ is kind.__call__:
+            return kind
+    return None
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def _gene_slots(
+    ranked: RankedChunk, starts: np.ndarray, limit: int, first: int
+) -> tuple[np.ndarray, np.ndarray | slice]:
+    """Flat positions of the entries ranked below ``limit``, rows starting at ``starts``.
+
+    ``starts`` is per output row; entry ``e`` of read-order cell ``c`` goes to
+    ``starts[row_of_cell[c]] + first + rank``. Returns positions and the selector of the
+    entries they belong to (a ``slice`` when every entry fits, so nothing is copied).
+    """
+    lengths = ranked.lengths
+    slots = expand(starts[ranked.row_of_cell] + first, lengths)
+    over = np.flatnonzero(lengths > limit)
+    if len(over) == 0:
+        return slots, slice(None)
+    keep = np.ones(len(slots), dtype=bool)
+    keep[expand(ranked.indptr[:-1][over] + limit, lengths[over] - limit)] = False
+    return slots[keep], keep
+
+
+def _sentences(
+    ranked: RankedChunk, limit: int, width: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | slice]:
+    """``[CLS] g1..gk [SEP]`` rows (``SEP`` only where it fits in ``width``), ``k <= limit``.
+
+    Returns offsets, ids, gene slots and the entries kept, for aligned streams.
+    """
+    kept = ranked.output_lengths(limit)
+    sep = kept + 1 < width
+    offsets = _offsets(kept + 1 + sep)
+    starts = offsets[:-1]
+    ids = np.empty(offsets[-1], dtype=dtype)  # CLS, genes and SEP cover every slot
+    ids[starts] = CLS
+    slots, keep = _gene_slots(ranked, starts, limit, first=1)
+    ids[slots] = np.add(ranked.genes[keep], GENE_OFFSET, dtype=dtype, casting="unsafe")
+    ids[(starts + 1 + kept)[sep]] = SEP
+    return offsets, ids, slots, keep
+
+
+def _geneformer(tok: Geneformer, ranked: RankedChunk, dtype: np.dtype) -> dict:
+    offsets, ids, _, _ = _sentences(ranked, tok.max_genes - 1, tok.max_genes, dtype)
+    return {RAGGED_KEY: Ragged(offsets, {"input_ids": ids}, {"input_ids": 0})}
+
+
+def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype) -> dict:
+    offsets, ids, slots, keep = _sentences(ranked, tok.max_genes, tok.max_genes + 2, dtype)
+    values = np.zeros(len(ids), dtype=dtype)
+    values[slots] = tok.bins(ranked)[keep] + tok.value_offset
+    streams = {"input_ids": ids, "values": values}
+    return {RAGGED_KEY: Ragged(offsets, streams, {"input_ids": 0, "values": 0})}
+
+
+def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype) -> dict:
+    lengths = ranked.output_lengths(tok.max_genes)
+    offsets = _offsets(lengths)
+    slots, keep = _gene_slots(ranked, offsets[:-1], tok.max_genes, first=0)
+    genes = np.empty(offsets[-1], dtype=dtype)
+    values = np.empty(offsets[-1], dtype=np.float32)
+    genes[slots] = ranked.genes[keep]
+    values[slots] = ranked.values[keep]
+    streams, pads = {"gene_ids": genes, "values": values}, {"gene_ids": -1, "values": 0}
+    return {RAGGED_KEY: Ragged(offsets, streams, pads, masked=False), "lengths": lengths}
+
+
+def strip(arrays: dict[str, np.ndarray], dtype: np.dtype, *, name: str = "") -> dict:
+    """A padded tokenizer output with every ``attention_mask``-shaped array made ragged.
+
+    The pad value of each stream is read from the first padding slot (0 when there is none).
+    """
+    mask = arrays.pop("attention_mask", None)
+    if mask is None or mask.ndim != 2:
+        raise LayoutError(
+            f"tokenizer {name!r} returns no 2-D attention_mask, so its padding cannot be told "
+            "from its tokens; use layout='padded' with it, or return an attention_mask"
+        )
+    pad_at = np.unravel_index(int(np.argmin(mask)), mask.shape) if not mask.all() else None
+    streams, pads = {}, {}
+    for key in [k for k, v in arrays.items() if v.shape == mask.shape]:
+        rows = arrays.pop(key)
+        pads[key] = rows[pad_at].item() if pad_at is not None else 0
+        stream = rows[mask]
+        streams[key] = stream.astype(dtype) if stream.dtype == np.int64 else stream
+    arrays[RAGGED_KEY] = Ragged(_offsets(mask.sum(axis=1)), streams, pads)
+    return arrays
