@@ -32,9 +32,9 @@ from typing import Any
 import numpy as np
 
 import slafload
-from slafload.bench import ensure_atlas, progress, raw_floor
-from slafload.diversity import batch_entropy, entropy, entropy_bounds
 from slafload.samplers import BlockShuffle, ChunkShuffle, Sampler
+from slafload.tools.bench import ensure_atlas, progress, raw_floor
+from slafload.tools.diversity import batch_entropy, entropy, entropy_bounds
 
 ROOT = Path.cwd()
 

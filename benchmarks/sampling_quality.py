@@ -2,7 +2,7 @@
 
 The scDataset paper's experiment on a plate-ordered synthetic atlas: cells are stored plate by
 plate and, within a plate, label by label, and each plate holds its own mix of labels (see
-``slafload.synthetic``, ``n_labels``). A held-out tenth of the cells (every tenth run of 256
+``slafload.tools.synthetic``, ``n_labels``). A held-out tenth of the cells (every tenth run of 256
 cells, so every plate is in both splits) is the test set, selected with ``Subset``. For every
 sampling strategy and seed, a softmax regression on ``log1p`` expression and a small MLP (one
 hidden layer) are trained for ONE epoch through slafload's ``Loader`` (``raw`` tokenizer, both
@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 import slafload
-from slafload.bench import progress
-from slafload.convert import convert
-from slafload.diversity import batch_entropy
 from slafload.samplers import BlockShuffle, ChunkShuffle, Sampler, Streaming, Subset
-from slafload.synthetic import write_atlas
+from slafload.tools.bench import progress
+from slafload.tools.convert import convert
+from slafload.tools.diversity import batch_entropy
+from slafload.tools.synthetic import write_atlas
 
 ROOT = Path.cwd()
 PBMC = "10x_pbmc68k_reduced.h5ad"

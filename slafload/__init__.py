@@ -1,13 +1,19 @@
 """slafload: stream single-cell expression from SLAF datasets to GPU-ready token batches.
 
-The package reads like the pipeline, one module per stage::
+The package reads like the pipeline, one module per stage (the chain is built in
+:mod:`slafload.chain`, epochs and resume live in :mod:`slafload.epochs`)::
 
-    dataset -> samplers -> reader -> chunk -> rank -> tokenizers -> batcher -> prefetcher -> loader
+    dataset -> samplers -> partition -> read (reader) -> chunk -> ranking -> tokenize
+            -> batcher (layout) -> prefetcher -> loader
+
+Contracts between stages are in :mod:`slafload.types`. Add-ons plug in at two points:
+:mod:`slafload.transforms` (chunk transforms, before ranking) and :mod:`slafload.tokenizers`
+(after ranking; published models' presets in :mod:`slafload.presets`). Offline tools
+(conversion, synthetic atlases, benchmarks, the CLI) live apart in :mod:`slafload.tools`.
 """
 
 from slafload import diversity, samplers, synthetic
 from slafload.config import LoaderConfig, RetryPolicy
-from slafload.convert import convert
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.errors import (
     ConfigError,
@@ -24,6 +30,7 @@ from slafload.errors import (
     VocabularyError,
 )
 from slafload.tokenizers import Geneformer, Raw, ScGPT, Tokenizer, available_tokenizers
+from slafload.tools.convert import convert
 
 __version__ = "0.1.0"
 

@@ -121,7 +121,7 @@ class Chunk:
         indptr: ``int64[n + 1]`` offsets: cell ``i``'s rows are ``indptr[i]:indptr[i + 1]``.
         genes: Gene ids of the rows (the table's integer dtype), strictly ascending within a
             cell whatever the storage order (ranking relies on it; a transform that reorders
-            genes must restore it, as :class:`~slafload.vocab.GeneRemap` does).
+            genes must restore it, as :class:`~slafload.transforms.vocab.GeneRemap` does).
         values: Expression values of the rows (the table's numeric dtype; duplicate entries
             of a gene in a cell are summed, see :func:`slafload.chunk.sort_genes_within_cells`).
         order: ``int64[n]`` output order: output row ``j`` is chunk cell ``order[j]``.

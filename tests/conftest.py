@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from slafload.writer import CsrBlock, write_slaf
+from slafload.tools.writer import CsrBlock, write_slaf
 
 
 def csr_from_dense(dense: np.ndarray) -> CsrBlock:

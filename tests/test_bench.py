@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from slafload.bench import ensure_atlas
+from slafload.tools.bench import ensure_atlas
 
 
 def test_a_cached_atlas_is_reused_when_it_matches_and_rewritten_when_it_does_not(tmp_path):
@@ -21,7 +21,7 @@ def test_a_cached_atlas_is_reused_when_it_matches_and_rewritten_when_it_does_not
 
 def test_the_layout_report_counts_what_each_layout_delivers(small_slaf):
     from slafload import open_dataset
-    from slafload.bench_layout import layout_report
+    from slafload.tools.bench_layout import layout_report
 
     report = layout_report(
         open_dataset(small_slaf), ("geneformer",), batch_size=32, max_genes=8, n_batches=4,

@@ -10,12 +10,12 @@ import pytest
 from conftest import random_counts, ranked_genes, write_dense
 
 from slafload import Loader, open_dataset
-from slafload.binning import ScGPTFixedBins, fixed_bins
 from slafload.chunk import assemble
 from slafload.ranking import rank
 from slafload.reader import Reader
 from slafload.samplers import Fetch
 from slafload.tokenizers import make_tokenizer
+from slafload.tokenizers.binning import ScGPTFixedBins, fixed_bins
 
 
 def ranked_chunk(path):

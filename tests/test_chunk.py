@@ -13,7 +13,7 @@ from slafload import InconsistentDataError, open_dataset
 from slafload.chunk import assemble, shuffle
 from slafload.reader import Reader
 from slafload.samplers import ChunkShuffle, Fetch
-from slafload.writer import CsrBlock, write_slaf
+from slafload.tools.writer import CsrBlock, write_slaf
 
 
 def test_cells_split_across_tiny_fragments_arrive_whole(tmp_path):

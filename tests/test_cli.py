@@ -11,7 +11,7 @@ import pytest
 from conftest import random_counts, write_dense
 
 from slafload import open_dataset
-from slafload.cli import main
+from slafload.tools.cli import main
 
 ad = pytest.importorskip("anndata", exc_type=ImportError)
 pd = pytest.importorskip("pandas", exc_type=ImportError)
@@ -20,7 +20,7 @@ sp = pytest.importorskip("scipy.sparse", exc_type=ImportError)
 
 def slafload_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "slafload.cli", *map(str, args)],
+        [sys.executable, "-m", "slafload.tools.cli", *map(str, args)],
         capture_output=True,
         text=True,
         cwd=cwd,

@@ -20,8 +20,8 @@ from conftest import (
 
 import slafload
 from slafload import open_dataset
-from slafload.cli import main
-from slafload.vocab import Vocabulary
+from slafload.tools.cli import main
+from slafload.transforms.vocab import Vocabulary
 
 ad = pytest.importorskip("anndata", exc_type=ImportError)
 pd = pytest.importorskip("pandas", exc_type=ImportError)
@@ -74,7 +74,7 @@ class Shape:
     error: str | None = None  # pattern of the one-line message
     stored: Callable[[np.ndarray], np.ndarray] = lambda counts: counts
     check: Callable[[object], bool] = lambda ds: True
-    backed: bool = False  # pass anndata.read_h5ad(..., backed="r") to slafload.convert
+    backed: bool = False  # pass anndata.read_h5ad(..., backed="r") to slafload.tools.convert
 
 
 SHAPES = {
@@ -149,7 +149,7 @@ def test_each_anndata_shape_converts_or_fails_with_one_line_naming_the_problem(
     if shape.backed:
         adata = ad.read_h5ad(tmp_path / "in.h5ad", backed="r")
         try:
-            slafload.convert(adata, out)
+            slafload.tools.convert(adata, out)
         finally:
             adata.file.close()
     else:

@@ -10,9 +10,9 @@ from conftest import random_counts, write_dense
 from resume_conformance import assert_resumes_exactly
 
 from slafload import Loader
-from slafload.binning import ScGPTFixedBins
 from slafload.errors import LayoutError
 from slafload.samplers import BlockShuffle, ChunkShuffle
+from slafload.tokenizers.binning import ScGPTFixedBins
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 

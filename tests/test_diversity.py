@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from slafload.diversity import batch_entropy, entropy, entropy_bounds, mean_batch_entropy
 from slafload.samplers import BlockShuffle, ChunkShuffle
+from slafload.tools.diversity import batch_entropy, entropy, entropy_bounds, mean_batch_entropy
 
 
 def test_entropy_of_simple_batches_in_bits():

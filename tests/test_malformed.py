@@ -35,7 +35,7 @@ from slafload import (
     open_dataset,
 )
 from slafload.config import RetryPolicy
-from slafload.writer import write_slaf
+from slafload.tools.writer import write_slaf
 
 N_CELLS, N_GENES = 30, 10
 COUNTS = pa.uint16()

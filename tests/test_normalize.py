@@ -8,9 +8,9 @@ import pytest
 from conftest import csr_from_dense, random_counts, unsorted_csr, write_dense
 
 from slafload import Loader, open_dataset
-from slafload.normalize import GeneMedians, MedianNormalize, MediansError, gene_medians
-from slafload.vocab import Vocabulary
-from slafload.writer import write_slaf
+from slafload.tools.writer import write_slaf
+from slafload.transforms.normalize import GeneMedians, MedianNormalize, MediansError, gene_medians
+from slafload.transforms.vocab import Vocabulary
 
 
 def write_named(path, dense, names):

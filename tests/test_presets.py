@@ -45,8 +45,8 @@ from resume_conformance import assert_resumes_exactly
 import slafload
 from slafload import Loader, VocabularyError
 from slafload.presets import PRESET_NAMES, make_preset, uniforms
-from slafload.presets_geneformer import geneformer_v1, geneformer_v2
-from slafload.presets_scgpt import (
+from slafload.presets.geneformer import geneformer_v1, geneformer_v2
+from slafload.presets.scgpt import (
     SUBSAMPLE,
     TIES,
     ScGPTTokens,
@@ -54,7 +54,7 @@ from slafload.presets_scgpt import (
     quantile_edges,
     scgpt,
 )
-from slafload.writer import write_slaf
+from slafload.tools.writer import write_slaf
 
 SPECIALS = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3}
 
@@ -605,7 +605,7 @@ def pbmc(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         adata = sc.datasets.pbmc68k_reduced()
-    path = slafload.convert(adata, tmp_path / "pbmc.slaf", raw=True)
+    path = slafload.tools.convert(adata, tmp_path / "pbmc.slaf", raw=True)
     return path, adata.raw.X.toarray(), list(adata.raw.var_names), adata.obs["n_counts"].values
 
 

@@ -2,7 +2,7 @@
 
 hypothesis draws small count or float matrices with empty cells, ties, all-equal rows, huge
 values near the top of ``uint32``/``float32`` and ``max_genes`` around each cell's length; each
-is written with :func:`~slafload.writer.write_slaf`, streamed through a :class:`Loader`, and
+is written with :func:`~slafload.tools.writer.write_slaf`, streamed through a :class:`Loader`, and
 compared row by row with the independent per-cell numpy references in ``conftest.py``.
 """
 

@@ -31,7 +31,7 @@ def test_genes_are_ranked_by_value_then_gene_id(tmp_path):
 def test_explicit_zeros_are_not_expressed_genes(tmp_path):
     import pyarrow as pa
 
-    from slafload.writer import CsrBlock, write_slaf
+    from slafload.tools.writer import CsrBlock, write_slaf
 
     block = CsrBlock(np.array([0, 3, 5]), np.array([0, 1, 2, 0, 4]), np.array([0, 5, 0, 1, 0]))
     path = write_slaf(tmp_path / "z.slaf", [block], n_genes=5, value_type=pa.uint16())

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import slafload
-from slafload.synthetic import write_atlas
+from slafload.tools.synthetic import write_atlas
 
 _PATH = Path(__file__).parents[1] / "benchmarks" / "sampling_quality.py"
 _SPEC = importlib.util.spec_from_file_location("sampling_quality", _PATH)

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 
 from slafload import synthetic
-from slafload.synthetic import write_atlas
+from slafload.tools.synthetic import write_atlas
 
 N_CELLS, N_GENES, N_PLATES = 600, 2000, 3
 SMALL = {"n_cells": N_CELLS, "n_genes": N_GENES, "n_plates": N_PLATES, "mean_nnz": 100}
@@ -166,7 +166,7 @@ def test_config_counts_agree_with_the_tables(atlas):
     assert (stats["min_value"], stats["max_value"]) == (values.min(), values.max())
     assert math.isclose(stats["mean_value"], values.mean())
     assert math.isclose(stats["std_value"], values.std(ddof=1))
-    assert config["generator"]["name"] == "slafload.synthetic"
+    assert config["generator"]["name"] == "slafload.tools.synthetic"
     assert config["generator"]["params"]["empty_fraction"] == 0.1
     assert isinstance(config["created_at"], str)
 

@@ -30,7 +30,7 @@ from slafload.tokenizers import (
     make_tokenizer,
     quantile_bins,
 )
-from slafload.writer import write_slaf
+from slafload.tools.writer import write_slaf
 
 
 def ranked_chunk(path, n_cells, seed=None):

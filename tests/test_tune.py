@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from slafload.cli import main
-from slafload.diversity import entropy_bounds
-from slafload.synthetic import write_atlas
-from slafload.tune import LabelLayout, expected_gap, recommend
+from slafload.tools.cli import main
+from slafload.tools.diversity import entropy_bounds
+from slafload.tools.synthetic import write_atlas
+from slafload.tools.tune import LabelLayout, expected_gap, recommend
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import pytest
 from conftest import random_counts, write_dense
 
 from slafload import Geneformer, Loader, ScGPT, open_dataset
-from slafload.normalize import MedianNormalize, gene_medians
-from slafload.values import WithValues
+from slafload.tokenizers.values import WithValues
+from slafload.transforms.normalize import MedianNormalize, gene_medians
 
 
 def value_reference(ids: np.ndarray, cells: np.ndarray, matrix: np.ndarray) -> np.ndarray:

@@ -9,8 +9,8 @@ from conftest import csr_from_dense, geneformer_reference, random_counts, unsort
 
 from slafload import Loader, open_dataset
 from slafload.errors import SchemaError
-from slafload.vocab import Vocabulary, VocabularyError
-from slafload.writer import write_slaf
+from slafload.tools.writer import write_slaf
+from slafload.transforms.vocab import Vocabulary, VocabularyError
 
 NAMES = [f"ENSG{g:05d}" for g in range(30)]
 

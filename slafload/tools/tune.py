@@ -41,15 +41,15 @@ from typing import Any
 import numpy as np
 
 from slafload.dataset import SlafDataset
-from slafload.diversity import entropy
-from slafload.progress import progress_bar
 from slafload.samplers import BlockShuffle
+from slafload.tools.diversity import entropy
+from slafload.tools.progress import progress_bar
 
 __all__ = ["FORMAT", "LabelLayout", "expected_gap", "recommend", "tune"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "slafload.tune.v1"
+FORMAT = "slafload.tools.tune.v1"
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from slafload.presets import (
     load_dictionary,
     measure_coverage,
 )
-from slafload.tokenizers import _destinations
+from slafload.tokenizers.builtin import _destinations
 from slafload.types import Chunk, RankedChunk
 
 TARGET_SUM = 10_000

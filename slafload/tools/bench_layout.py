@@ -14,7 +14,7 @@ Three figures per (tokenizer, layout, placement), all on the same dataset in one
   on a few fetches (``tokenize``: a piece into rows; ``batch+layout``: cutting batches, laying
   them out, wrapping them as tensors).
 
-Library code never prints; the benchmark driver (:mod:`slafload.bench`) reports these.
+Library code never prints; the benchmark driver (:mod:`slafload.tools.bench`) reports these.
 """
 
 from __future__ import annotations

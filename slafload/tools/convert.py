@@ -4,8 +4,8 @@ Each input's matrix (``X``, a layer, or ``raw.X``) is read in row chunks from th
 whole: CSR and dense matrices read only the requested rows; CSC matrices are row-sliced through
 anndata's backed dataset, which scans the compressed columns for every chunk (bounded memory, but
 time grows with ``n_chunks * nnz``: convert CSC files to CSR first when they are large). Chunks
-become :class:`~slafload.writer.CsrBlock` s (genes strictly ascending, explicit zeros dropped) and
-stream through a single :func:`~slafload.writer.write_slaf` call, so peak memory is one chunk plus
+become :class:`~slafload.tools.writer.CsrBlock` s (genes strictly ascending, explicit zeros dropped) and
+stream through a single :func:`~slafload.tools.writer.write_slaf` call, so peak memory is one chunk plus
 the obs/var tables whatever the file size.
 
 Files are opened with ``h5py`` and read with ``anndata.io`` (``read_elem`` for obs/var,
@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from slafload.progress import progress_bar
-from slafload.writer import CsrBlock, write_slaf
+from slafload.tools.progress import progress_bar
+from slafload.tools.writer import CsrBlock, write_slaf
 
 __all__ = ["convert"]
 

@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from slafload import open_dataset
-    from slafload.convert import convert
+    from slafload.tools.convert import convert
 
     if len(args.paths) < 2:
         raise ValueError("give at least one input .h5ad and then the output path")
@@ -215,7 +215,7 @@ def _describe(column: pl.Series) -> str:
 
 
 def _synth(args: argparse.Namespace) -> int:
-    from slafload.synthetic import write_atlas
+    from slafload.tools.synthetic import write_atlas
 
     path = write_atlas(
         args.path,
@@ -248,7 +248,7 @@ def _add_tune(sub) -> None:
         help="choose BlockShuffle's (block size, fetch factor) for a dataset",
         description="Measure the loader's cells/s on a small (block size, fetch factor) grid, "
         "compute each point's expected minibatch entropy gap to random sampling for a label "
-        "(slafload.tune), and recommend the fastest point within the target gap. Writes the "
+        "(slafload.tools.tune), and recommend the fastest point within the target gap. Writes the "
         "report (every input of the recommendation) as JSON and a PNG next to it.",
     )
     t.add_argument("path", metavar="DATASET", help="SLAF dataset directory or URI")
@@ -280,7 +280,7 @@ def _tune(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from slafload import open_dataset
-    from slafload.tune import plot, tune
+    from slafload.tools.tune import plot, tune
 
     report = tune(
         open_dataset(args.path),

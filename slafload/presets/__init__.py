@@ -11,8 +11,8 @@ report of how much of the dataset the model's vocabulary sees::
     Loader(ds, tokenizer=preset)                     # or, by name:
     Loader(ds, tokenizer="geneformer-v2", tokenizer_options={"token_dictionary": ...})
 
-Builders: :func:`~slafload.presets_geneformer.geneformer_v2`,
-:func:`~slafload.presets_geneformer.geneformer_v1`, :func:`~slafload.presets_scgpt.scgpt`
+Builders: :func:`~slafload.presets.geneformer.geneformer_v2`,
+:func:`~slafload.presets.geneformer.geneformer_v1`, :func:`~slafload.presets.scgpt.scgpt`
 (names ``"geneformer-v2"``, ``"geneformer-v1"``, ``"scgpt-reference"``). See
 ``docs/fine-tuning.md`` for what is identical to the reference implementations and what is not.
 
@@ -175,7 +175,7 @@ def _mix(z: np.ndarray) -> np.ndarray:
 
 def gene_names(dataset: SlafDataset, column: str) -> list[str]:
     """``column`` of ``genes.lance`` by ``gene_integer_id`` (duplicates allowed)."""
-    from slafload.vocab import _gene_names
+    from slafload.transforms.vocab import _gene_names
 
     return _gene_names(dataset, column)
 
@@ -189,7 +189,7 @@ def make_preset(name: str, dataset: SlafDataset, *, seed: int = 0, **options: An
     ``seed`` keys the random steps of presets that have any (scGPT); the others ignore it.
     """
     if name in ("geneformer-v2", "geneformer-v1"):
-        from slafload import presets_geneformer
+        from slafload.presets import geneformer as presets_geneformer
 
         build = (
             presets_geneformer.geneformer_v2
@@ -198,7 +198,7 @@ def make_preset(name: str, dataset: SlafDataset, *, seed: int = 0, **options: An
         )
         return build(dataset, **options)
     if name == "scgpt-reference":
-        from slafload.presets_scgpt import scgpt
+        from slafload.presets.scgpt import scgpt
 
         return scgpt(dataset, seed=seed, **options)
     raise ValueError(f"unknown preset {name!r}; available: {list(PRESET_NAMES)}")

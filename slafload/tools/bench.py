@@ -9,7 +9,7 @@ Reported: cells/s per loader (median of ``--repeats`` runs), the raw floor (a ba
 of the same rows, no processing), the ratios, peak RSS during each run, and a per-stage
 profile of slafload's producer. For every layout (``padded``, ``longest``, ``packed``) and
 tokenize placement: cells/s, tokens per batch, bytes per cell delivered, the training thread's
-time in ``next()`` (p50/p99) and the producer's tokenizing cost (:mod:`slafload.bench_layout`).
+time in ``next()`` (p50/p99) and the producer's tokenizing cost (:mod:`slafload.tools.bench_layout`).
 Writes JSON (and a PNG bar chart when matplotlib is there).
 
     python benchmarks/throughput.py                      # the README's main command
@@ -41,13 +41,13 @@ from typing import Any
 import numpy as np
 
 import slafload
-from slafload.bench_layout import PLACEMENTS, layout_report, layout_table
 from slafload.chain import ChainSpec, build_chain
 from slafload.epochs import Run
 from slafload.presets import make_preset
 from slafload.reader import COLUMNS
 from slafload.stage import Stage
 from slafload.tokenizers import make_tokenizer
+from slafload.tools.bench_layout import PLACEMENTS, layout_report, layout_table
 
 ROOT = Path.cwd()
 
@@ -273,7 +273,7 @@ def ensure_atlas(args) -> Path:
             if all(written.get(k) == v for k, v in params.items()):
                 return path
     print(f"writing synthetic atlas {path} ...", file=sys.stderr)
-    slafload.synthetic.write_atlas(path, overwrite=True, progress=True, **params)
+    slafload.tools.synthetic.write_atlas(path, overwrite=True, progress=True, **params)
     return path
 
 

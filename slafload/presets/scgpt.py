@@ -3,7 +3,7 @@
 What scGPT's tutorials do (``scgpt/preprocess.py`` ``Preprocessor``, then
 ``scgpt/tokenizer/gene_tokenizer.py`` ``tokenize_and_pad_batch``), and where it happens here:
 
-1. Keep the genes whose name is in ``vocab.json`` -> a :class:`~slafload.vocab.GeneRemap`
+1. Keep the genes whose name is in ``vocab.json`` -> a :class:`~slafload.transforms.vocab.GeneRemap`
    transform that drops the others (dataset gene ids are kept for ordering).
 2. ``normalize_total(target_sum=1e4)`` and ``log1p``, in ``float32`` as scanpy computes them on
    counts -> :class:`ScGPTTokens`, from the ranked chunk (both are monotone, so each cell's
@@ -49,9 +49,9 @@ from slafload.presets import (
     measure_coverage,
     uniforms,
 )
-from slafload.tokenizers import _lerp
+from slafload.tokenizers.builtin import _lerp
+from slafload.transforms.vocab import GeneRemap
 from slafload.types import RankedChunk
-from slafload.vocab import GeneRemap
 
 TIES, SUBSAMPLE = 0, 1
 _DENSE_BLOCK = 1 << 22  # cells x genes per block of the include_zero_gene layout
