@@ -119,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["bench"]:  # bench owns its arguments
-        from slafload import bench
+        from slafload.tools import bench
 
         bench.main(args_list[1:], prog="slafload bench")
         return 0
