@@ -65,7 +65,7 @@ def counts() -> np.ndarray:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_round_trip_tokens_equal_tokens_computed_from_the_anndata_matrix(tmp_path, counts, fmt):
     h5ad = write_h5ad(tmp_path / "in.h5ad", make_adata(counts, fmt))
-    out = slafload.tools.convert(h5ad, tmp_path / "out.slaf", chunk_cells=7)
+    out = slafload.convert(h5ad, tmp_path / "out.slaf", chunk_cells=7)
     assert not counts[0].any()  # a cell with no counts flows through as [CLS] [SEP]
     geneformer = sentences(out, "geneformer")
     scgpt = sentences(out, "scgpt")
@@ -81,9 +81,9 @@ def test_round_trip_tokens_equal_tokens_computed_from_the_anndata_matrix(tmp_pat
 
 def test_an_in_memory_anndata_converts_like_its_file(tmp_path, counts):
     adata = make_adata(counts, "csc")
-    from_memory = open_dataset(slafload.tools.convert(adata, tmp_path / "mem.slaf"))
+    from_memory = open_dataset(slafload.convert(adata, tmp_path / "mem.slaf"))
     from_file = open_dataset(
-        slafload.tools.convert(write_h5ad(tmp_path / "f.h5ad", adata), tmp_path / "file.slaf")
+        slafload.convert(write_h5ad(tmp_path / "f.h5ad", adata), tmp_path / "file.slaf")
     )
     assert from_memory.expression.to_table().equals(from_file.expression.to_table())
     assert from_memory.obs().equals(from_file.obs())
@@ -91,7 +91,7 @@ def test_an_in_memory_anndata_converts_like_its_file(tmp_path, counts):
 
 def test_obs_and_var_columns_are_kept_with_categoricals_as_strings(tmp_path, counts):
     adata = make_adata(counts)
-    ds = open_dataset(slafload.tools.convert(adata, tmp_path / "o.slaf"))
+    ds = open_dataset(slafload.convert(adata, tmp_path / "o.slaf"))
     obs, var = ds.obs(), ds.var()
     assert obs["cell_id"].to_list() == list(adata.obs_names)
     assert obs["plate"].to_list() == adata.obs["plate"].astype(str).tolist()
@@ -118,7 +118,7 @@ def test_integer_counts_are_stored_compactly_and_floats_as_float32(
     tmp_path, counts, scale, dtype, expected
 ):
     matrix = (counts.astype(np.float64) * scale).astype(dtype)
-    ds = open_dataset(slafload.tools.convert(make_adata(matrix), tmp_path / "v.slaf"))
+    ds = open_dataset(slafload.convert(make_adata(matrix), tmp_path / "v.slaf"))
     assert str(ds.value_type) == expected
     stored = ds.expression.to_table().column("value").to_numpy()
     np.testing.assert_allclose(stored, matrix[matrix > 0].astype(np.float32))
@@ -129,7 +129,7 @@ def test_explicit_zeros_are_dropped_and_genes_sorted(tmp_path):
     indices = np.array([4, 1, 2, 0, 3])  # unsorted within cell 0
     data = np.array([2, 0, 5, 7, 0], dtype=np.int32)  # two explicit zeros
     matrix = sp.csr_matrix((data, indices, indptr), shape=(2, 5))
-    ds = open_dataset(slafload.tools.convert(ad.AnnData(matrix), tmp_path / "z.slaf"))
+    ds = open_dataset(slafload.convert(ad.AnnData(matrix), tmp_path / "z.slaf"))
     table = ds.expression.to_table().to_pydict()
     assert table == {
         "cell_integer_id": [0, 0, 1],
@@ -143,23 +143,23 @@ def test_layer_and_raw_choose_the_matrix(tmp_path, counts):
     adata.layers["double"] = sp.csr_matrix(counts.astype(np.int32) * 2)
     adata.raw = make_adata(counts * 3)
     h5ad = write_h5ad(tmp_path / "l.h5ad", adata)
-    layer = open_dataset(slafload.tools.convert(h5ad, tmp_path / "layer.slaf", layer="double"))
-    raw = open_dataset(slafload.tools.convert(h5ad, tmp_path / "raw.slaf", raw=True))
+    layer = open_dataset(slafload.convert(h5ad, tmp_path / "layer.slaf", layer="double"))
+    raw = open_dataset(slafload.convert(h5ad, tmp_path / "raw.slaf", raw=True))
     x = counts[counts > 0]
     np.testing.assert_array_equal(layer.expression.to_table().column("value").to_numpy(), 2 * x)
     np.testing.assert_array_equal(raw.expression.to_table().column("value").to_numpy(), 3 * x)
     assert raw.var()["symbol"].to_list() == adata.raw.var["symbol"].tolist()
     with pytest.raises(ValueError, match="no layer 'missing'"):
-        slafload.tools.convert(h5ad, tmp_path / "x.slaf", layer="missing")
+        slafload.convert(h5ad, tmp_path / "x.slaf", layer="missing")
     with pytest.raises(ValueError, match="not both"):
-        slafload.tools.convert(h5ad, tmp_path / "x.slaf", layer="double", raw=True)
+        slafload.convert(h5ad, tmp_path / "x.slaf", layer="double", raw=True)
 
 
 def test_several_inputs_concatenate_with_a_source_column(tmp_path, counts):
     first = write_h5ad(tmp_path / "one.h5ad", make_adata(counts[:40], prefix="a"))
     second = write_h5ad(tmp_path / "two.h5ad", make_adata(counts[40:], "dense", prefix="b"))
     ds = open_dataset(
-        slafload.tools.convert([first, second], tmp_path / "both.slaf", chunk_cells=16)
+        slafload.convert([first, second], tmp_path / "both.slaf", chunk_cells=16)
     )
     obs = ds.obs()
     assert obs["source"].to_list() == ["one"] * 40 + ["two"] * 50
@@ -173,28 +173,28 @@ def test_inputs_with_different_genes_are_rejected_with_the_first_difference(tmp_
     other = make_adata(counts)
     other.var_names = [f"G{g}" for g in range(29)] + ["OTHER"]
     with pytest.raises(ValueError, match=r"gene 29 is 'OTHER', not 'G29'"):
-        slafload.tools.convert([make_adata(counts), other], tmp_path / "x.slaf")
+        slafload.convert([make_adata(counts), other], tmp_path / "x.slaf")
     assert not (tmp_path / "x.slaf").exists()
 
 
 def test_negative_values_and_user_mistakes_raise_clear_errors(tmp_path, counts):
     scaled = counts.astype(np.float32) - 1
     with pytest.raises(ValueError, match="negative values.*--raw"):
-        slafload.tools.convert(make_adata(scaled), tmp_path / "n.slaf")
+        slafload.convert(make_adata(scaled), tmp_path / "n.slaf")
     with pytest.raises(FileNotFoundError, match="nope.h5ad"):
-        slafload.tools.convert(tmp_path / "nope.h5ad", tmp_path / "n.slaf")
+        slafload.convert(tmp_path / "nope.h5ad", tmp_path / "n.slaf")
     (tmp_path / "taken").mkdir()
     with pytest.raises(FileExistsError, match="overwrite"):
-        slafload.tools.convert(make_adata(counts), tmp_path / "taken")
+        slafload.convert(make_adata(counts), tmp_path / "taken")
     with pytest.raises(ValueError, match="shuffle_block"):
-        slafload.tools.convert(make_adata(counts), tmp_path / "n.slaf", shuffle_block=0)
+        slafload.convert(make_adata(counts), tmp_path / "n.slaf", shuffle_block=0)
 
 
 def test_pre_shuffle_writes_seeded_blocks_keeping_ids_obs_and_expression(tmp_path, counts):
     adata = make_adata(counts)
     kwargs = {"shuffle_seed": 3, "shuffle_block": 4, "chunk_cells": 10}
-    ds = open_dataset(slafload.tools.convert(adata, tmp_path / "s.slaf", **kwargs))
-    again = open_dataset(slafload.tools.convert(adata, tmp_path / "s2.slaf", **kwargs))
+    ds = open_dataset(slafload.convert(adata, tmp_path / "s.slaf", **kwargs))
+    again = open_dataset(slafload.convert(adata, tmp_path / "s2.slaf", **kwargs))
     order = ds.obs()["original_index"].to_numpy()
     np.testing.assert_array_equal(order, again.obs()["original_index"].to_numpy())
     assert sorted(order) == list(range(len(counts))) and not (order == np.arange(90)).all()
@@ -237,8 +237,8 @@ def test_pre_shuffle_mixes_plates_within_plain_streaming_minibatches(tmp_path):
     )
     obs = atlas.obs(["cell_id", "plate"]).to_pandas().set_index("cell_id")
     h5ad = write_h5ad(tmp_path / "atlas.h5ad", ad.AnnData(matrix, obs=obs))
-    plain = slafload.tools.convert(h5ad, tmp_path / "plain.slaf")
-    shuffled = slafload.tools.convert(h5ad, tmp_path / "shuf.slaf", shuffle_seed=0, shuffle_block=4)
+    plain = slafload.convert(h5ad, tmp_path / "plain.slaf")
+    shuffled = slafload.convert(h5ad, tmp_path / "shuf.slaf", shuffle_seed=0, shuffle_block=4)
     before, after = plate_entropy(plain), plate_entropy(shuffled)
     assert before < 0.2  # plate-ordered: nearly every minibatch holds one plate
     assert after > 2.0  # 8 plates: log2(8) = 3 bits at most
@@ -258,13 +258,13 @@ RSS_SCRIPT = textwrap.dedent(
     # Warm up on a tiny input: imports, Lance's thread pools and allocator arenas are a fixed
     # cost, not memory that grows with the input.
     warm = anndata.AnnData(scipy.sparse.csr_matrix(numpy.ones((512, 2000), numpy.float32)))
-    slafload.tools.convert(warm, sys.argv[1] + ".warm", chunk_cells=512)
+    slafload.convert(warm, sys.argv[1] + ".warm", chunk_cells=512)
     growth = []
     for h5ad in sys.argv[2:]:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")  # reset VmHWM to the current RSS
         base = status("VmRSS")
-        slafload.tools.convert(h5ad, h5ad + ".slaf", chunk_cells=512)
+        slafload.convert(h5ad, h5ad + ".slaf", chunk_cells=512)
         growth.append(status("VmHWM") - base)
     print(json.dumps(growth))
     """
@@ -315,7 +315,7 @@ def test_a_slafload_conversion_opens_in_slafdb_and_its_loader_iterates_it(
 ):
     from slaf.ml.dataloaders import SLAFDataLoader
 
-    out = slafload.tools.convert(make_adata(counts), tmp_path / "ours.slaf")
+    out = slafload.convert(make_adata(counts), tmp_path / "ours.slaf")
     array = slaf_module.SLAFArray(str(out))
     array.wait_for_metadata()
     assert array.shape == counts.shape
@@ -343,7 +343,7 @@ def test_a_slafdb_conversion_yields_the_same_sentences_as_slafload_conversion(
 
     h5ad = write_h5ad(tmp_path / "in.h5ad", make_adata(counts))
     SLAFConverter().convert(str(h5ad), str(tmp_path / "theirs.slaf"))
-    ours = slafload.tools.convert(h5ad, tmp_path / "ours.slaf", chunk_cells=16)
+    ours = slafload.convert(h5ad, tmp_path / "ours.slaf", chunk_cells=16)
     theirs_ds, ours_ds = open_dataset(tmp_path / "theirs.slaf"), open_dataset(ours)
     ids = {"theirs": theirs_ds.obs()["cell_id"].to_list(), "ours": ours_ds.obs()["cell_id"]}
     a, b = sentences(theirs_ds, tokenizer), sentences(ours_ds, tokenizer)

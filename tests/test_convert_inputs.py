@@ -149,7 +149,7 @@ def test_each_anndata_shape_converts_or_fails_with_one_line_naming_the_problem(
     if shape.backed:
         adata = ad.read_h5ad(tmp_path / "in.h5ad", backed="r")
         try:
-            slafload.tools.convert(adata, out)
+            slafload.convert(adata, out)
         finally:
             adata.file.close()
     else:

@@ -605,7 +605,7 @@ def pbmc(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         adata = sc.datasets.pbmc68k_reduced()
-    path = slafload.tools.convert(adata, tmp_path / "pbmc.slaf", raw=True)
+    path = slafload.convert(adata, tmp_path / "pbmc.slaf", raw=True)
     return path, adata.raw.X.toarray(), list(adata.raw.var_names), adata.obs["n_counts"].values
 
 
