@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pyarrow as pa
 
+from slafload.data_files import DataFiles
 from slafload.dataset import SlafDataset
 from slafload.errors import ReadError, SlafloadError
 from slafload.samplers import Fetch
@@ -51,13 +52,27 @@ class Reader:
     Args:
         dataset: The opened dataset; its pinned Lance version is read.
         batch_rows: Rows per Arrow record batch requested from Lance.
+        direct: Read short spans from the data files with open file readers
+            (:mod:`slafload.data_files`) where that is exact; ``False`` always uses
+            ``take_scan``.
     """
 
-    def __init__(self, dataset: SlafDataset, *, batch_rows: int = 1 << 20):
+    def __init__(self, dataset: SlafDataset, *, batch_rows: int = 1 << 20, direct: bool = True):
         if batch_rows < 1:
             raise ValueError(f"batch_rows must be >= 1, got {batch_rows}")
         self.dataset = dataset
         self.batch_rows = batch_rows
+        self._direct = direct
+        self._files: DataFiles | None = None
+
+    def data_files(self) -> DataFiles | None:
+        """The direct data-file path, looked up on first use; ``None`` where it is not exact."""
+        if self._direct and self._files is None:
+            self._files = DataFiles.of(
+                self.dataset.expression, COLUMNS, storage_options=self.dataset.storage_options
+            )
+            self._direct = self._files is not None
+        return self._files
 
     def row_ranges(self, fetch: Fetch) -> np.ndarray:
         """``int64[k, 2]`` expression row ranges of the fetch's cell ranges."""
@@ -127,6 +142,13 @@ class Reader:
             return (
                 _nonempty(table.slice(a, b - a).to_batches())
                 for a, b in zip([0, *ends[:-1]], ends, strict=True)
+            )
+        files = self.data_files()
+        if files is not None:  # one read_range per piece on an open file: no per-range open
+            per_span = files.read(spans[which], COLUMNS)
+            return (
+                _cut(batches, w, int(spans[i, 0]))
+                for batches, w, i in zip(per_span, wanted, which.tolist(), strict=True)
             )
         batches = expression._ds.take_scan(
             [tuple(s) for s in spans[which].tolist()],
