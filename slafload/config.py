@@ -87,6 +87,17 @@ class LoaderConfig:
             fetch's coalesced spans (the wanted rows plus any short gaps read through) until
             its turn. ``0`` reads each fetch only when it is needed.
         retry: Retries of a fetch after a transient storage failure.
+        memory_budget: Bytes of expression data the reader and chunk stage may hold at once
+            (default 768 MiB), counted as rows read x row width x 3 copies
+            (``slafload/budget.py``). Read-ahead starts another fetch only while it fits; a
+            fetch costing over half of it is read in groups of consecutive ranges. The order
+            of cells does not depend on it.
+        first_read_cells: The first fetch of a run (an epoch, or a resume) is read as its
+            first this-many output cells, then the rest, so the first batch does not wait for
+            a whole large fetch; the order of cells is unchanged (``slafload/first_read.py``).
+            ``0`` reads it whole.
+        read_data_files: Read scattered ranges through open Lance file readers where that is
+            exact (``slafload/data_files.py``); ``False`` always uses ``take_scan``.
     """
 
     batch_size: int = 32
@@ -100,6 +111,9 @@ class LoaderConfig:
     read_batch_rows: int = 1 << 20
     read_ahead: int = 1
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    memory_budget: int = 768 << 20
+    first_read_cells: int = 256
+    read_data_files: bool = True
 
     def __post_init__(self) -> None:
         positive = {
@@ -118,9 +132,18 @@ class LoaderConfig:
             or not (0 <= self.read_ahead <= 8)
         ):
             raise ValueError(f"read_ahead must be an integer in [0, 8], got {self.read_ahead!r}")
+        _check_int("memory_budget", self.memory_budget, 1, "a positive number of bytes")
+        _check_int("first_read_cells", self.first_read_cells, 0, "a non-negative integer")
+        if not isinstance(self.read_data_files, bool):
+            raise ValueError(f"read_data_files must be True or False, got {self.read_data_files!r}")
         if self.n_epochs is not None and (not isinstance(self.n_epochs, int) or self.n_epochs < 1):
             raise ValueError(f"n_epochs must be a positive integer or None, got {self.n_epochs!r}")
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+
+def _check_int(name: str, value: object, low: int, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be {what}, got {value!r}")

@@ -8,6 +8,7 @@ garbage-collected and stop its thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -18,14 +19,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from slafload import budget
 from slafload.batcher import Batcher
 from slafload.chunk import Chunk, assemble, shuffle, split
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
+from slafload.first_read import split_first
 from slafload.rank import PendingRank, start_rank
-from slafload.reader import Reader
+from slafload.reader import COLUMNS, MAX_GAP_ROWS, Reader
 from slafload.retry import PendingRead, RetryingReader
-from slafload.samplers import Sampler
+from slafload.samplers import Fetch, Sampler
 from slafload.shard import Part, RankStream, Segment, rank_stream
 from slafload.tokenizers import Tokenizer
 
@@ -52,6 +55,16 @@ class Delivery:
 
     batch: Batch
     after: Position
+
+
+@dataclass(eq=False)
+class _Read:
+    """A part on its way in: its read groups, the bytes charged, the group being read."""
+
+    part: Part
+    groups: list[Fetch]
+    cost: int
+    pending: PendingRead | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -126,7 +139,7 @@ class Pipeline:
         cfg = self.config
         stopped = stop.is_set if stop is not None else (lambda: False)
         reader = RetryingReader(
-            Reader(self.dataset, batch_rows=cfg.read_batch_rows),
+            Reader(self.dataset, batch_rows=cfg.read_batch_rows, direct=cfg.read_data_files),
             cfg.retry,
             uri=self.dataset.uri,
             sleep=stop.wait if stop is not None else time.sleep,  # a backoff ends on close()
@@ -183,21 +196,45 @@ class Pipeline:
         # compute; see docs/sampling.md).
         # A failure to plan a later part is raised only when that part's turn comes, after
         # every batch of the fetches before it.
-        parts = iter(parts)
-        ahead: deque[tuple[Part, PendingRead]] = deque()
+        # Read-ahead is bounded by LoaderConfig.memory_budget (bytes, see slafload/budget.py);
+        # a fetch too large for half the budget is read in groups of consecutive ranges.
+        cfg, cell_start = self.config, self.dataset.cell_start
+        width = budget.row_bytes(self.dataset.expression.schema, COLUMNS)
+        n_genes = self.dataset.n_genes
+        parts = iter(split_first(parts, cfg.first_read_cells))
+        ahead: deque[_Read] = deque()
         failure: Exception | None = None
+        peeked: Part | None = None
+        exhausted = False
 
-        def start_until(n: int) -> None:
-            nonlocal failure
-            while failure is None and len(ahead) < n:
-                try:
-                    part = next(parts, None)
-                except Exception as exc:
-                    failure = exc
+        def plan(part: Part) -> _Read:
+            cost = budget.cost(part.fetch, cell_start, width, MAX_GAP_ROWS)
+            if cost <= cfg.memory_budget // 2:
+                return _Read(part, [part.fetch], cost)
+            groups = budget.groups(part.fetch, cell_start, width, cfg.memory_budget // 4,
+                                   MAX_GAP_ROWS)  # fmt: skip
+            return _Read(part, groups, cfg.memory_budget // 4)
+
+        def start_until(n: int, holding: int = 0) -> None:
+            """Start reads until ``n`` are in flight or the next does not fit the budget."""
+            nonlocal failure, peeked, exhausted
+            while failure is None and not exhausted and len(ahead) < n:
+                if peeked is None:
+                    try:
+                        peeked = next(parts, None)
+                    except Exception as exc:
+                        failure = exc
+                        return
+                    if peeked is None:
+                        exhausted = True
+                        return
+                read = plan(peeked)
+                held = holding + sum(r.cost for r in ahead)
+                if not budget.fits(held, read.cost, cfg.memory_budget):
                     return
-                if part is None:
-                    return
-                ahead.append((part, reader.start(part.fetch)))
+                read.pending = reader.start(read.groups[0])
+                ahead.append(read)
+                peeked = None
 
         while True:
             start_until(1)
@@ -205,21 +242,29 @@ class Pipeline:
                 if failure is not None:
                     raise failure
                 return
-            part, pending = ahead.popleft()
-            batches = pending.result()
-            start_until(self.config.read_ahead)
-            fetch = part.fetch
-            chunk = assemble(
-                fetch,
-                batches,
-                self.dataset.cell_start,
-                uri=self.dataset.uri,
-                n_genes=self.dataset.n_genes,
-            )
-            chunk = shuffle(chunk, fetch.shuffle_seed)
+            read = ahead[0]
+            chunks = []
+            for k, group in enumerate(read.groups):
+                batches = read.pending.result()
+                if k + 1 < len(read.groups):  # decoded by Lance while this group is checked
+                    read.pending = reader.start(read.groups[k + 1])
+                else:
+                    ahead.popleft()
+                    start_until(cfg.read_ahead, holding=read.cost)
+                chunks.append(
+                    assemble(group, batches, cell_start, uri=self.dataset.uri, n_genes=n_genes)
+                )
+                del batches
+            part = read.part
+            chunk = budget.concat(part.fetch.index, chunks)
+            del chunks, read
+            if part.order is None:
+                chunk = shuffle(chunk, part.fetch.shuffle_seed)
+            else:
+                chunk = dataclasses.replace(chunk, order=part.order)
             for transform in self.transforms:
                 chunk = transform(chunk)
-            yield from split(chunk, part.skip, part.keep, self.config.chunk_cells)
+            yield from split(chunk, part.skip, part.keep, cfg.chunk_cells)
 
     def tokenize(self, ranking: PendingRank) -> dict[str, np.ndarray]:
         """The token arrays of a ranked piece, plus cell ids and requested obs codes."""
