@@ -5,9 +5,10 @@ and nothing one contender leaves behind (threads, caches, heap) disturbs the nex
 opens the dataset, builds a :class:`slafload.Loader`, and reports
 
 * ``first_batch_s``: from the start of ``Loader(...)`` (which opens the dataset) to the first
-  batch in hand;
+  batch in hand (imports, torch's ~1 s included, are done before: a training script has);
 * ``cells_per_s``: steady state, after a warm-up of one fetch's worth of cells, over at least
-  ``--fetches`` fetches' worth of cells or ``--seconds`` seconds, whichever ends first;
+  ``--fetches`` fetches' worth of cells and ``--min-cells`` cells, or ``--seconds`` seconds,
+  whichever ends first;
 * ``peak_rss_mb``: ``ru_maxrss`` of the child.
 
 The parent also times building an epoch's plan at 100M and 1B cells (index arithmetic only:
@@ -56,11 +57,11 @@ def fetch_cells(spec: str, batch_size: int) -> int:
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One contender in this process: first batch, then steady cells/s."""
-    import slafload
+    from slafload.loader import Loader  # imports torch, as a training script has already
 
     settings = json.loads(args.settings)
     t0 = time.perf_counter()
-    loader = slafload.Loader(
+    loader = Loader(
         args.dataset,
         sampler=sampler_of(args.spec, args.batch_size),
         batch_size=args.batch_size,
@@ -76,7 +77,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     while got < per_fetch:  # warm-up: the rest of the first fetch
         got += len(next(it)["input_ids"])
     start, cells = time.perf_counter(), 0
-    while cells < args.fetches * per_fetch and time.perf_counter() - start < args.seconds:
+    target = max(args.fetches * per_fetch, args.min_cells)
+    while cells < target and time.perf_counter() - start < args.seconds:
         cells += len(next(it)["input_ids"])
     elapsed = time.perf_counter() - start
     loader.close()
@@ -97,6 +99,7 @@ def run_child(dataset: str, spec: str, args: argparse.Namespace, settings: dict)
         sys.executable, __file__, "--child", "--dataset", dataset, "--spec", spec,
         "--batch-size", str(args.batch_size), "--max-genes", str(args.max_genes),
         "--fetches", str(args.fetches), "--seconds", str(args.seconds),
+        "--min-cells", str(args.min_cells),
         "--settings", json.dumps(settings),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -160,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-genes", type=int, default=2048)
     p.add_argument("--fetches", type=float, default=3, help="fetches' worth of cells timed")
+    p.add_argument("--min-cells", type=int, default=60_000, help="...and at least this many")
     p.add_argument("--seconds", type=float, default=20, help="...or this long, if shorter")
     p.add_argument("--child-timeout", type=float, default=240)
     p.add_argument("--settings", default="{}", help="LoaderConfig settings as JSON")

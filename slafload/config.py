@@ -93,9 +93,9 @@ class LoaderConfig:
             fetch costing over half of it is read in groups of consecutive ranges. The order
             of cells does not depend on it.
         first_read_cells: The first fetch of a run (an epoch, or a resume) is read as its
-            first this-many output cells, then the rest, so the first batch does not wait for
-            a whole large fetch; the order of cells is unchanged (``slafload/first_read.py``).
-            ``0`` reads it whole.
+            first ``max(first_read_cells, batch_size)`` output cells, then the rest, so the
+            first batch does not wait for a whole large fetch; the order of cells is unchanged
+            (``slafload/first_read.py``). ``0`` reads one batch first.
         read_data_files: Read scattered ranges through open Lance file readers where that is
             exact (``slafload/data_files.py``); ``False`` always uses ``take_scan``.
     """
@@ -112,7 +112,7 @@ class LoaderConfig:
     read_ahead: int = 1
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     memory_budget: int = 768 << 20
-    first_read_cells: int = 256
+    first_read_cells: int = 64
     read_data_files: bool = True
 
     def __post_init__(self) -> None:

@@ -156,6 +156,7 @@ class Pipeline:
         # One chunk of lookahead: Polars ranks chunk i+1 on its own threads while this thread
         # tokenizes chunk i with numpy, so both cores work.
         pending: PendingRank | None = None
+        first = True
         pieces = self.pieces(self.stream(epoch, history).parts(skip, worker, n_workers), reader)
         try:
             while True:
@@ -169,6 +170,8 @@ class Pipeline:
                 if piece is None or stopped():
                     break
                 previous, pending = pending, start_rank(piece)
+                if first:  # the run's first piece goes out before the next is read
+                    first, previous, pending = False, pending, None
                 if previous is not None:
                     yield from deliver(batcher.add(self.tokenize(previous)))
                     if stopped():
@@ -201,8 +204,9 @@ class Pipeline:
         cfg, cell_start = self.config, self.dataset.cell_start
         width = budget.row_bytes(self.dataset.expression.schema, COLUMNS)
         n_genes = self.dataset.n_genes
-        parts = iter(split_first(parts, cfg.first_read_cells))
+        parts = iter(split_first(parts, max(cfg.first_read_cells, cfg.batch_size)))
         ahead: deque[_Read] = deque()
+        first = True
         failure: Exception | None = None
         peeked: Part | None = None
         exhausted = False
@@ -250,7 +254,8 @@ class Pipeline:
                     read.pending = reader.start(read.groups[k + 1])
                 else:
                     ahead.popleft()
-                    start_until(cfg.read_ahead, holding=read.cost)
+                    if not first:  # the run's first read is handed on before reading ahead
+                        start_until(cfg.read_ahead, holding=read.cost)
                 chunks.append(
                     assemble(group, batches, cell_start, uri=self.dataset.uri, n_genes=n_genes)
                 )
@@ -265,6 +270,7 @@ class Pipeline:
             for transform in self.transforms:
                 chunk = transform(chunk)
             yield from split(chunk, part.skip, part.keep, cfg.chunk_cells)
+            first = False
 
     def tokenize(self, ranking: PendingRank) -> dict[str, np.ndarray]:
         """The token arrays of a ranked piece, plus cell ids and requested obs codes."""
