@@ -88,7 +88,7 @@ class LoaderConfig:
             its turn. ``0`` reads each fetch only when it is needed.
         retry: Retries of a fetch after a transient storage failure.
         memory_budget: Bytes of expression data the reader and chunk stage may hold at once
-            (default 768 MiB), counted as rows read x row width x 3 copies
+            (default 256 MiB), counted as rows read x row width x 3 copies
             (``slafload/budget.py``). Read-ahead starts another fetch only while it fits; a
             fetch costing over half of it is read in groups of consecutive ranges. The order
             of cells does not depend on it.
@@ -111,7 +111,7 @@ class LoaderConfig:
     read_batch_rows: int = 1 << 20
     read_ahead: int = 1
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    memory_budget: int = 768 << 20
+    memory_budget: int = 256 << 20
     first_read_cells: int = 64
     read_data_files: bool = True
 

@@ -33,6 +33,7 @@ from slafload.ranges import expand
 logger = logging.getLogger(__name__)
 
 MAX_OPEN_FILES = 8192  # upper bound of the reader cache; each open reader holds a descriptor
+STREAMS_AT_ONCE = 128  # read_range streams alive at once (each holds its pages until consumed)
 
 
 def default_max_open() -> int:
@@ -131,18 +132,23 @@ class DataFiles:
     def read(self, rows: np.ndarray, columns: Sequence[str]) -> list[list[pa.RecordBatch]]:
         """The batches of every row range (non-empty ``int64[k, 2]``), one list per range.
 
-        Every piece's stream is created before any is consumed, so Lance schedules the I/O of
-        the whole request at once.
+        Streams are created :data:`STREAMS_AT_ONCE` at a time before any of them is consumed,
+        so Lance schedules their I/O together (1.9x faster than one by one, measured) while
+        the pages they hold stay bounded: all 8k streams of a fetch of single cells at once
+        peaked at 3 GB of RSS.
         """
         cols = tuple(columns)
         which, file, lo, n = self.pieces(rows)
-        streams = [
-            self._reader(f, cols).read_range(a, m, batch_size=m).to_batches()
-            for f, a, m in zip(file.tolist(), lo.tolist(), n.tolist(), strict=True)
-        ]
         out: list[list[pa.RecordBatch]] = [[] for _ in range(len(rows))]
-        for w, stream in zip(which.tolist(), streams, strict=True):
-            out[w].extend(b for b in stream if b.num_rows)
+        pieces = list(zip(which.tolist(), file.tolist(), lo.tolist(), n.tolist(), strict=True))
+        for start in range(0, len(pieces), STREAMS_AT_ONCE):
+            window = pieces[start : start + STREAMS_AT_ONCE]
+            streams = [
+                self._reader(f, cols).read_range(a, m, batch_size=m).to_batches()
+                for _, f, a, m in window
+            ]
+            for (w, *_), stream in zip(window, streams, strict=True):
+                out[w].extend(b for b in stream if b.num_rows)
         return out
 
     def _reader(self, index: int, columns: tuple[str, ...]) -> LanceFileReader:
