@@ -8,9 +8,11 @@ read depends on their shape (numbers from ``benchmarks/read_paths.py`` and docs/
 - many ranges (block sampling): ranges whose gaps are short are coalesced into spans (scanning
   a gap row costs a few ns, a separate range request ~0.2-0.5 ms), unless the spans would hold
   more than 32 times the wanted rows (sparse single cells are cheaper by row id); spans of 64Ki
-  rows or more are scanned, all shorter spans are read with one ``take_scan`` call (Lance
-  parallelises it) or, when they are tiny (single cells), one ``take`` of their row ids; the
-  wanted rows are zero-copy slices of the spans.
+  rows or more are scanned, all shorter spans are read through kept-open Lance file readers
+  (:mod:`slafload.data_files`, where that is exact; else with one ``take_scan`` call, whose
+  per-range cost grows with the number of data files) or, when they are tiny (single cells
+  of a few hundred rows), one ``take`` of their row ids; the wanted rows are zero-copy slices
+  of the spans.
 
 Every Lance stream of a fetch is opened and started (its first batch pulled) before the first
 batch is handed on, so Lance decodes the rest of each stream on its own threads; a caller that
