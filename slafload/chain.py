@@ -21,15 +21,17 @@ from typing import Any
 
 import numpy as np
 
+from slafload import budget
 from slafload.batcher import Batches, ToTorch
 from slafload.chunk import Assemble, Shuffle, Split, Transform
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
+from slafload.first_read import split_first
 from slafload.layout import LayOut, TokenStage, make_token_stage
 from slafload.partition import Part
 from slafload.ranking import RankGenes
 from slafload.read import Read, RetryingReader
-from slafload.reader import Reader
+from slafload.reader import COLUMNS, Reader
 from slafload.stage import Stage
 from slafload.tokenize import Tokenize
 from slafload.types import Batch, ChunkTransform, Tokenizer
@@ -106,10 +108,20 @@ def build_chain(
         observe: Called with each stage's name as it is built; returns the stage to use.
     """
     cfg, ds = spec.config, spec.dataset
-    reader = RetryingReader(
-        Reader(ds, batch_rows=cfg.read_batch_rows), cfg.retry, uri=ds.uri, sleep=sleep
+    lance_reader = Reader(ds, batch_rows=cfg.read_batch_rows, direct=cfg.read_data_files)
+    reader = RetryingReader(lance_reader, cfg.retry, uri=ds.uri, sleep=sleep)
+    # The run's first part is read as its first few output cells, then the rest: the first
+    # batch waits for a handful of cells, not a whole fetch (same cells, same order).
+    parts = split_first(parts, max(cfg.first_read_cells, cfg.batch_size))
+    read = Read(
+        parts,
+        reader,
+        ds.cell_start,
+        row_bytes=budget.row_bytes(ds.expression.schema, COLUMNS),
+        read_ahead=cfg.read_ahead,
+        memory_budget=cfg.memory_budget,
     )
-    s: Stage[Any] = observe("read", Read(parts, reader, read_ahead=cfg.read_ahead))
+    s: Stage[Any] = observe("read", read)
     s = observe("assemble", Assemble(s, ds))
     s = observe("shuffle", Shuffle(s))
     s = observe("transform", Transform(s, spec.transforms))

@@ -18,10 +18,12 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import pyarrow as pa
 
+from slafload import budget
 from slafload.dataset import SlafDataset
 from slafload.errors import InconsistentDataError
 from slafload.partition import Part
 from slafload.ranges import expand
+from slafload.read import Group
 from slafload.samplers.base import shuffle_order
 from slafload.stage import Stage
 from slafload.types import Chunk, ChunkTransform, Fetch
@@ -210,23 +212,38 @@ def _check_values(values: np.ndarray, where: str) -> None:
 
 
 class Assemble(Stage[tuple[Part, Chunk]]):
-    """Each part's record batches, read by :class:`~slafload.read.Read`, as a checked chunk."""
+    """Each part's record batches, read by :class:`~slafload.read.Read`, as one checked chunk.
 
-    def __init__(self, source: Iterator[tuple[Part, list[pa.RecordBatch]]], dataset: SlafDataset):
+    A part read in several groups is assembled group by group (each group's Arrow data is
+    released once it is assembled), then the groups' chunks are joined.
+    """
+
+    def __init__(self, source: Iterator[Group], dataset: SlafDataset):
         super().__init__(source)
         self.dataset = dataset
 
     def __next__(self) -> tuple[Part, Chunk]:
-        part, batches = next(self.source)
-        ds = self.dataset
-        return part, assemble(part.fetch, batches, ds.cell_start, uri=ds.uri, n_genes=ds.n_genes)
+        ds, chunks = self.dataset, []
+        while True:
+            group = next(self.source)
+            chunks.append(
+                assemble(group.fetch, group.batches, ds.cell_start, uri=ds.uri, n_genes=ds.n_genes)
+            )
+            if group.last:
+                break
+            del group
+        part = group.part
+        return part, chunks[0] if len(chunks) == 1 else budget.concat(part.fetch.index, chunks)
 
 
 class Shuffle(Stage[tuple[Part, Chunk]]):
-    """Each chunk in its fetch's seeded output order."""
+    """Each chunk in its output order: the fetch's seeded shuffle, or the part's own ``order``
+    (a first read of a run, :mod:`slafload.first_read`)."""
 
     def __next__(self) -> tuple[Part, Chunk]:
         part, chunk = next(self.source)
+        if part.order is not None:
+            return part, dataclasses.replace(chunk, order=part.order)
         return part, shuffle(chunk, part.fetch.shuffle_seed)
 
 

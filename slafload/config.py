@@ -98,6 +98,17 @@ class LoaderConfig:
         tokenize_on: ``"producer"`` (rank and tokenize on the producer thread) or
             ``"device"`` (ship each batch's sparse expression and rank, bin and lay out
             tokens with torch ops on the loader's device; see :mod:`slafload.device_tokenize`).
+        memory_budget: Bytes of expression data the reader and chunk stage may hold at once
+            (default 256 MiB), counted as rows read x row width x 3 copies
+            (``slafload/budget.py``). Read-ahead starts another fetch only while it fits; a
+            fetch costing over half of it is read in groups of consecutive ranges. The order
+            of cells does not depend on it.
+        first_read_cells: The first fetch of a run (an epoch, or a resume) is read as its
+            first ``max(first_read_cells, batch_size)`` output cells, then the rest, so the
+            first batch does not wait for a whole large fetch; the order of cells is unchanged
+            (``slafload/first_read.py``). ``0`` reads one batch first.
+        read_data_files: Read scattered ranges through open Lance file readers where that is
+            exact (``slafload/data_files.py``); ``False`` always uses ``take_scan``.
     """
 
     batch_size: int = 32
@@ -115,6 +126,9 @@ class LoaderConfig:
     layout: str = "padded"
     token_dtype: str = "int64"
     tokenize_on: str = "producer"
+    memory_budget: int = 256 << 20
+    first_read_cells: int = 64
+    read_data_files: bool = True
 
     def __post_init__(self) -> None:
         positive = ("batch_size", "max_genes", "chunk_cells", "piece_cells", "queue_depth")
@@ -122,6 +136,10 @@ class LoaderConfig:
             check_int(name, getattr(self, name))
         check_int("read_ahead", self.read_ahead, low=0, high=8)
         check_int("n_epochs", self.n_epochs, none_ok=True)
+        check_int("memory_budget", self.memory_budget)
+        check_int("first_read_cells", self.first_read_cells, low=0)
+        if not isinstance(self.read_data_files, bool):
+            raise ValueError(f"read_data_files must be True or False, got {self.read_data_files!r}")
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         choices = {

@@ -39,11 +39,16 @@ class Segment:
 
 @dataclass(frozen=True, eq=False)
 class Part:
-    """A rank's share of one fetch: read ``fetch`` and deliver its output rows ``[skip, keep)``."""
+    """A rank's share of one fetch: read ``fetch`` and deliver its output rows ``[skip, keep)``.
+
+    ``order``, when given, replaces the fetch's seeded shuffle: output row ``j`` is the fetch's
+    read-order cell ``order[j]`` (see :mod:`slafload.first_read`).
+    """
 
     fetch: Fetch
     skip: int
     keep: int
+    order: np.ndarray | None = None
 
 
 class EpochFetches:

@@ -98,9 +98,10 @@ class RankGenes(Stage[Any]):
     ``start`` is the token stage's (:mod:`slafload.layout`): on the producer it ranks the
     piece on Polars' threads (:func:`start_rank`), for device tokenizing it only packs the
     piece's CSR. With one piece of lookahead, Polars ranks piece ``i + 1`` while the
-    tokenizer (numpy, this thread) works on piece ``i``, so both cores work. If pulling the
-    next piece fails, the pieces already started are handed on first and the failure is
-    raised after them.
+    tokenizer (numpy, this thread) works on piece ``i``, so both cores work. The first piece
+    goes out before the next is pulled, so the first batch of a run waits for nothing else.
+    If pulling the next piece fails, the pieces already started are handed on first and the
+    failure is raised after them.
     """
 
     def __init__(
@@ -114,9 +115,12 @@ class RankGenes(Stage[Any]):
         self.start, self.lookahead = start, lookahead
         self._pending: list[Any] = []
         self._failure: BaseException | None = None
+        self._first = True
 
     def __next__(self) -> Any:
-        while self._failure is None and len(self._pending) <= self.lookahead:
+        ahead = 0 if self._first else self.lookahead
+        self._first = False
+        while self._failure is None and len(self._pending) <= ahead:
             try:
                 piece = next(self.source)
             except StopIteration:

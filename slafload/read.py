@@ -27,13 +27,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import pyarrow as pa
 
+from slafload import budget
 from slafload.config import RetryPolicy
 from slafload.errors import ReadError, SlafloadError
 from slafload.partition import Part
 from slafload.ranges import describe
-from slafload.reader import started
+from slafload.reader import MAX_GAP_ROWS, started
 from slafload.stage import Stage
 from slafload.types import Fetch
 
@@ -168,43 +170,112 @@ class PendingRead:
         return iter(self.reader.complete(self.fetch, self.first_attempt))
 
 
-class Read(Stage[tuple[Part, list[pa.RecordBatch]]]):
-    """Each part with every record batch of its fetch, ``read_ahead`` fetches started early.
+@dataclass(frozen=True, eq=False)
+class Group:
+    """One read of a part: its whole fetch, or one group of its ranges (``last`` ends the part).
 
-    A failure to plan a later part (pulling it from the source) is raised only when that
-    part's turn comes, after every batch of the parts before it; a failed read ahead is
-    retried, or raised, only when its turn comes too.
+    A part whose fetch costs more than half the memory budget is read in groups of
+    consecutive ranges (:func:`slafload.budget.groups`), so its Arrow data never all sits in
+    memory at once.
     """
 
-    def __init__(self, source: Iterator[Part], reader: RetryingReader, *, read_ahead: int = 1):
+    part: Part
+    fetch: Fetch
+    batches: list[pa.RecordBatch]
+    last: bool
+
+
+@dataclass(eq=False)
+class _Reading:
+    """A part on its way in: its read groups, the bytes charged, the group being read."""
+
+    part: Part
+    groups: list[Fetch]
+    cost: int
+    pending: PendingRead | None = None
+
+
+class Read(Stage[Group]):
+    """Each part's record batches, group by group, with read-ahead bounded in bytes.
+
+    ``read_ahead`` later parts are started before the current one is handed on, as long as
+    the bytes they hold (:mod:`slafload.budget`) fit ``memory_budget``; the next group of a
+    part is started while the current one is handed on. The run's first part is handed on
+    before anything is read ahead, so the first batch waits for nothing else. A failure to
+    plan a later part (pulling it from the source) is raised only when that part's turn
+    comes, after every batch of the parts before it; a failed read ahead is retried, or
+    raised, only when its turn comes too.
+    """
+
+    def __init__(
+        self,
+        source: Iterator[Part],
+        reader: RetryingReader,
+        cell_start: np.ndarray,
+        *,
+        row_bytes: int,
+        read_ahead: int = 1,
+        memory_budget: int = 256 << 20,
+    ):
         super().__init__(source)
-        self.reader = reader
-        self.read_ahead = read_ahead
-        self._ahead: deque[tuple[Part, PendingRead]] = deque()
+        self.reader, self.cell_start, self.row_bytes = reader, cell_start, row_bytes
+        self.read_ahead, self.memory_budget = read_ahead, memory_budget
+        self._ahead: deque[_Reading] = deque()
         self._failure: Exception | None = None
+        self._peeked: Part | None = None
+        self._exhausted = False
+        self._first = True
+        self._group = 0
 
-    def _start_until(self, n: int) -> None:
-        while self._failure is None and len(self._ahead) < n:
-            try:
-                part = next(self.source, None)
-            except Exception as exc:
-                self._failure = exc
-                return
-            if part is None:
-                return
-            self._ahead.append((part, self.reader.start(part.fetch)))
+    def _plan(self, part: Part) -> _Reading:
+        cost = budget.cost(part.fetch, self.cell_start, self.row_bytes, MAX_GAP_ROWS)
+        if cost <= self.memory_budget // 2:
+            return _Reading(part, [part.fetch], cost)
+        quarter = self.memory_budget // 4
+        groups = budget.groups(part.fetch, self.cell_start, self.row_bytes, quarter, MAX_GAP_ROWS)
+        return _Reading(part, groups, quarter)
 
-    def __next__(self) -> tuple[Part, list[pa.RecordBatch]]:
+    def _start_until(self, n: int, holding: int = 0) -> None:
+        """Start reads until ``n`` are in flight or the next does not fit the budget."""
+        while self._failure is None and not self._exhausted and len(self._ahead) < n:
+            if self._peeked is None:
+                try:
+                    self._peeked = next(self.source, None)
+                except Exception as exc:
+                    self._failure = exc
+                    return
+                if self._peeked is None:
+                    self._exhausted = True
+                    return
+            reading = self._plan(self._peeked)
+            held = holding + sum(r.cost for r in self._ahead)
+            if not budget.fits(held, reading.cost, self.memory_budget):
+                return
+            reading.pending = self.reader.start(reading.groups[0])
+            self._ahead.append(reading)
+            self._peeked = None
+
+    def __next__(self) -> Group:
         self._start_until(1)
         if not self._ahead:
             if self._failure is not None:
                 failure, self._failure = self._failure, None
                 raise failure
             raise StopIteration
-        part, pending = self._ahead.popleft()
-        batches = list(pending.result())
-        self._start_until(self.read_ahead)
-        return part, batches
+        reading, k = self._ahead[0], self._group
+        assert reading.pending is not None
+        batches = list(reading.pending.result())
+        last = k + 1 == len(reading.groups)
+        if not last:  # decoded by Lance while this group is assembled
+            reading.pending = self.reader.start(reading.groups[k + 1])
+            self._group = k + 1
+        else:
+            self._ahead.popleft()
+            self._group = 0
+            if not self._first:  # the run's first part is handed on before reading ahead
+                self._start_until(self.read_ahead, holding=reading.cost)
+            self._first = False
+        return Group(reading.part, reading.groups[k], batches, last)
 
     def close(self) -> None:
         """Drop the reads started ahead (Lance finishes them on its own threads)."""

@@ -11,9 +11,11 @@ read depends on their shape (numbers from ``benchmarks/read_paths.py`` and docs/
 - many ranges (block sampling): ranges whose gaps are short are coalesced into spans (scanning
   a gap row costs a few ns, a separate range request ~0.2-0.5 ms), unless the spans would hold
   more than 32 times the wanted rows (sparse single cells are cheaper by row id); spans of 64Ki
-  rows or more are scanned, all shorter spans are read with one ``take_scan`` call (Lance
-  parallelises it) or, when they are tiny (single cells), one ``take`` of their row ids; the
-  wanted rows are zero-copy slices of the spans.
+  rows or more are scanned, all shorter spans are read through kept-open Lance file readers
+  (:mod:`slafload.data_files`, where that is exact; else with one ``take_scan`` call, whose
+  per-range cost grows with the number of data files) or, when they are tiny (single cells
+  of a few hundred rows), one ``take`` of their row ids; the wanted rows are zero-copy slices
+  of the spans.
 
 Every Lance stream of a fetch is opened and started (its first batch pulled) before the first
 batch is handed on, so Lance decodes the rest of each stream on its own threads; a caller that
@@ -34,6 +36,7 @@ import pyarrow as pa
 
 from slafload._compat import take_scan
 from slafload._validate import check_int
+from slafload.data_files import DataFiles
 from slafload.dataset import SlafDataset
 from slafload.errors import ReadError, SlafloadError
 from slafload.ranges import coalesce, describe, expand_ranges, span_ends
@@ -56,12 +59,26 @@ class Reader:
     Args:
         dataset: The opened dataset; its pinned Lance version is read.
         batch_rows: Rows per Arrow record batch requested from Lance.
+        direct: Read short spans from the data files with open file readers
+            (:mod:`slafload.data_files`) where that is exact; ``False`` always uses
+            ``take_scan``.
     """
 
-    def __init__(self, dataset: SlafDataset, *, batch_rows: int = 1 << 20):
+    def __init__(self, dataset: SlafDataset, *, batch_rows: int = 1 << 20, direct: bool = True):
         check_int("batch_rows", batch_rows)
         self.dataset = dataset
         self.batch_rows = batch_rows
+        self._direct = direct
+        self._files: DataFiles | None = None
+
+    def data_files(self) -> DataFiles | None:
+        """The direct data-file path, looked up on first use; ``None`` where it is not exact."""
+        if self._direct and self._files is None:
+            self._files = DataFiles.of(
+                self.dataset.expression, COLUMNS, storage_options=self.dataset.storage_options
+            )
+            self._direct = self._files is not None
+        return self._files
 
     def row_ranges(self, fetch: Fetch) -> np.ndarray:
         """``int64[k, 2]`` expression row ranges of the fetch's cell ranges."""
@@ -131,6 +148,13 @@ class Reader:
             return (
                 _nonempty(table.slice(a, b - a).to_batches())
                 for a, b in zip([0, *ends[:-1]], ends, strict=True)
+            )
+        files = self.data_files()
+        if files is not None:  # one read_range per piece on an open file: no per-range open
+            per_span = files.read(spans[which], COLUMNS)
+            return (
+                _cut(batches, w, int(spans[i, 0]))
+                for batches, w, i in zip(per_span, wanted, which.tolist(), strict=True)
             )
         batches = take_scan(
             expression,

@@ -84,3 +84,25 @@ def test_missing_cell_start_index_is_recomputed_from_the_expression_table(tmp_pa
     ds = open_dataset(path)
     np.testing.assert_array_equal(np.diff(ds.cell_start), np.count_nonzero(dense, axis=1))
     assert "no cell_start_index" in caplog.text
+
+
+def test_opening_holds_no_per_cell_array_but_cell_start(tmp_path, monkeypatch):
+    import tracemalloc
+
+    import slafload.dataset
+    from slafload.tools.writer import CsrBlock, write_slaf
+
+    n = 200_000
+    nnz = np.zeros(n, dtype=np.int64)
+    nnz[::7] = 2
+    indptr = np.concatenate([[0], np.cumsum(nnz)])
+    genes = np.tile([0, 1], int(indptr[-1]) // 2)
+    path = write_slaf(tmp_path / "wide.slaf", [CsrBlock(indptr, genes, np.ones_like(genes))],
+                      n_genes=2)  # fmt: skip
+    monkeypatch.setattr(slafload.dataset, "_BATCH_CELLS", 4096)
+    tracemalloc.start()
+    ds = open_dataset(path)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert ds.n_cells == n
+    assert peak < 8 * (n + 1) + 2 * 2**20  # cell_start, and batches of 4096 cells

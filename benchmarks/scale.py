@@ -1,0 +1,277 @@
+"""Atlas scale: cells/s, time to first batch and peak RSS per sampler, at 5M and 500k cells.
+
+Each contender runs in its own fresh process (``--child``), so peak RSS is the whole process's
+and nothing one contender leaves behind (threads, caches, heap) disturbs the next. A child
+opens the dataset, builds a :class:`slafload.Loader`, and reports
+
+* ``first_batch_s``: from the start of ``Loader(...)`` (which opens the dataset) to the first
+  batch in hand (imports, torch's ~1 s included, are done before: a training script has);
+* ``cells_per_s``: steady state, after a warm-up of one fetch's worth of cells, over at least
+  ``--fetches`` fetches' worth of cells and ``--min-cells`` cells, or ``--seconds`` seconds,
+  whichever ends first;
+* ``peak_rss_mb``: ``ru_maxrss`` of the child.
+
+The parent also times building an epoch's plan at 100M and 1B cells (index arithmetic only:
+``sampler.plan``, rank sharding, the first fetch) with its ``tracemalloc`` peak.
+
+The atlases are the issue's: ``slafload.synthetic.write_atlas(n_cells, n_genes=20_000)``
+with Lance's default data-file size (~1M rows per file); written once if missing.
+
+    python benchmarks/scale.py --atlas /tmp/atlas5m.slaf --atlas /tmp/atlas500k.slaf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BLOCKS = (1, 16, 64, 256)
+FACTORS = (64, 256, 1024)
+
+
+def sampler_of(spec: str, batch_size: int):
+    from slafload.samplers import BlockShuffle, ChunkShuffle
+
+    if spec == "chunk":
+        return ChunkShuffle()
+    b, f = (int(x) for x in spec.split("x"))
+    return BlockShuffle(block_size=b, fetch_factor=f, batch_size=batch_size)
+
+
+def fetch_cells(spec: str, batch_size: int) -> int:
+    if spec == "chunk":
+        return 2048
+    b, f = (int(x) for x in spec.split("x"))
+    return -(-f * batch_size // b) * b
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One contender in this process: first batch, then steady cells/s."""
+    from slafload.loader import Loader  # imports torch, as a training script has already
+
+    settings = json.loads(args.settings)
+    t0 = time.perf_counter()
+    loader = Loader(
+        args.dataset,
+        sampler=sampler_of(args.spec, args.batch_size),
+        batch_size=args.batch_size,
+        max_genes=args.max_genes,
+        n_epochs=None,
+        seed=0,
+        **settings,
+    )
+    it = iter(loader)
+    got = len(next(it)["input_ids"])
+    first = time.perf_counter() - t0
+    per_fetch = fetch_cells(args.spec, args.batch_size)
+    while got < per_fetch:  # warm-up: the rest of the first fetch
+        got += len(next(it)["input_ids"])
+    start, cells = time.perf_counter(), 0
+    target = max(args.fetches * per_fetch, args.min_cells)
+    while cells < target and time.perf_counter() - start < args.seconds:
+        cells += len(next(it)["input_ids"])
+    elapsed = time.perf_counter() - start
+    loader.close()
+    return {
+        "spec": args.spec,
+        "dataset": args.dataset,
+        "first_batch_s": first,
+        "cells_per_s": cells / elapsed,
+        "cells_timed": cells,
+        "seconds_timed": elapsed,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "settings": settings,
+    }
+
+
+def run_child(dataset: str, spec: str, args: argparse.Namespace, settings: dict) -> dict:
+    cmd = [
+        sys.executable, __file__, "--child", "--dataset", dataset, "--spec", spec,
+        "--batch-size", str(args.batch_size), "--max-genes", str(args.max_genes),
+        "--fetches", str(args.fetches), "--seconds", str(args.seconds),
+        "--min-cells", str(args.min_cells),
+        "--settings", json.dumps(settings),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"spec": spec, "dataset": dataset, "error": f"timed out ({args.child_timeout} s)"}
+    if proc.returncode != 0:
+        return {"spec": spec, "dataset": dataset, "error": proc.stderr[-2000:]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plan_cost(n_cells: int, spec: str, batch_size: int) -> dict[str, Any]:
+    """Seconds and tracemalloc peak of planning an epoch of ``n_cells`` (no I/O)."""
+    from slafload.partition import rank_share
+
+    sampler = sampler_of(spec, batch_size)
+    tracemalloc.start()
+    t = time.perf_counter()
+    plan = sampler.plan(n_cells, seed=0, epoch=0)
+    stream = rank_share(plan, (), 0, 8)
+    part = next(stream.parts())
+    elapsed = time.perf_counter() - t
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return {"n_cells": n_cells, "spec": spec, "seconds": elapsed, "peak_mb": peak / 2**20,
+            "first_part_cells": part.keep - part.skip, "fetches": len(plan)}  # fmt: skip
+
+
+def ensure_atlas(path: str) -> str:
+    if not Path(path, "config.json").exists():
+        import re
+
+        import slafload.synthetic
+
+        match = re.search(r"(\d+)([km])", Path(path).name)
+        if not match:
+            raise SystemExit(f"{path} does not exist; name it like atlas5m.slaf to write it")
+        n = int(match.group(1)) * {"k": 1_000, "m": 1_000_000}[match.group(2)]
+        print(f"writing {n:,}-cell atlas {path} (once) ...", file=sys.stderr)
+        slafload.synthetic.write_atlas(path, n_cells=n, n_genes=20_000, progress=True)
+    return path
+
+
+def progress(items, **kw):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, file=sys.stderr, dynamic_ncols=True, **kw)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--atlas", action="append", help="dataset path (repeat); written if missing")
+    p.add_argument("--blocks", default=",".join(map(str, BLOCKS)))
+    p.add_argument("--factors", default=",".join(map(str, FACTORS)))
+    p.add_argument("--skip", default="", help="comma-separated specs to leave out, e.g. 1x1024")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--max-genes", type=int, default=2048)
+    p.add_argument("--fetches", type=float, default=3, help="fetches' worth of cells timed")
+    p.add_argument("--min-cells", type=int, default=60_000, help="...and at least this many")
+    p.add_argument("--seconds", type=float, default=20, help="...or this long, if shorter")
+    p.add_argument("--child-timeout", type=float, default=240)
+    p.add_argument("--settings", default="{}", help="LoaderConfig settings as JSON")
+    p.add_argument("--plan-cells", default="100000000,1000000000")
+    p.add_argument("--note", default="", help="what else ran on the machine")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dataset", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(args)))
+        return {}
+
+    atlases = [ensure_atlas(a) for a in (args.atlas or ["/tmp/atlas5m.slaf"])]
+    skip = set(filter(None, args.skip.split(",")))
+    specs = ["chunk"] + [
+        f"{b}x{f}"
+        for b in map(int, args.blocks.split(","))
+        for f in map(int, args.factors.split(","))
+        if f"{b}x{f}" not in skip
+    ]
+    settings = json.loads(args.settings)
+    runs = []
+    jobs = [(a, s) for s in specs for a in atlases]  # sizes interleaved per contender
+    for atlas, spec in progress(jobs, desc="contenders"):
+        r = run_child(atlas, spec, args, settings)
+        runs.append(r)
+        if "error" in r:
+            print(f"{spec} on {atlas}: {r['error'][-300:]}", file=sys.stderr)
+    plans = [
+        plan_cost(int(n), spec, args.batch_size)
+        for n in args.plan_cells.split(",")
+        for spec in ("chunk", "1x64", "16x256", "64x1024")
+    ]
+    report = {
+        "settings": {k: v for k, v in vars(args).items() if k not in {"child", "dataset", "spec"}},
+        "page_cache": "warm after the first contender (each atlas fits in RAM)",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "runs": runs,
+        "plans": plans,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print_table(report)
+    plot(report, out.with_suffix(".png"))
+    print(f"\nwrote {out}", file=sys.stderr)
+    return report
+
+
+def print_table(report: dict[str, Any]) -> None:
+    by_atlas: dict[str, list[dict]] = {}
+    for r in report["runs"]:
+        by_atlas.setdefault(r["dataset"], []).append(r)
+    for atlas, runs in by_atlas.items():
+        ok = {r["spec"]: r for r in runs if "error" not in r}
+        chunk = ok.get("chunk", {}).get("cells_per_s")
+        print(f"\n{atlas}")
+        print(
+            f"{'sampler':<12}{'cells/s':>10}{'vs chunk':>10}{'first batch s':>15}{'peak RSS MB':>13}"
+        )
+        for r in runs:
+            if "error" in r:
+                print(f"{r['spec']:<12}  error")
+                continue
+            ratio = r["cells_per_s"] / chunk if chunk else float("nan")
+            print(f"{r['spec']:<12}{r['cells_per_s']:>10,.0f}{ratio:>10.2f}"
+                  f"{r['first_batch_s']:>15.2f}{r['peak_rss_mb']:>13,.0f}")  # fmt: skip
+    print(f"\n{'plan':<10}{'cells':>15}{'ms':>10}{'peak MB':>10}")
+    for p in report["plans"]:
+        print(f"{p['spec']:<10}{p['n_cells']:>15,}{p['seconds'] * 1e3:>10.1f}{p['peak_mb']:>10.2f}")
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    atlases = sorted({r["dataset"] for r in report["runs"]})
+    specs = list(dict.fromkeys(r["spec"] for r in report["runs"]))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5), sharey=True)
+    width = 0.8 / max(len(atlases), 1)
+    for k, atlas in enumerate(atlases):
+        got = {r["spec"]: r for r in report["runs"] if r["dataset"] == atlas and "error" not in r}
+        ys = [i + k * width for i in range(len(specs))]
+        for ax, key in zip(axes, ("cells_per_s", "first_batch_s", "peak_rss_mb"), strict=True):
+            ax.barh(ys, [got.get(s, {}).get(key, 0) for s in specs], height=width,
+                    label=Path(atlas).name)  # fmt: skip
+    axes[0].set_yticks([i + width * (len(atlases) - 1) / 2 for i in range(len(specs))], specs)
+    axes[0].set_xlabel("cells/s (steady)")
+    axes[1].set_xlabel("first batch (s)")
+    axes[1].axvline(1.0, color="#d62728", linestyle="--")
+    axes[2].set_xlabel("peak RSS (MB)")
+    axes[2].axvline(2048, color="#d62728", linestyle="--")
+    axes[0].invert_yaxis()
+    axes[0].legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

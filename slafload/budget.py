@@ -1,0 +1,108 @@
+"""Bound the expression bytes a run holds by a byte budget, not by a count of fetches.
+
+A fetch's size in bytes varies by orders of magnitude between samplers and datasets (2,048
+contiguous cells of ~800 non-zeros are 13 MB of Arrow data; ``BlockShuffle(16, 1024)`` fetches
+32,768 cells), so counting fetches bounds nothing. Here every read is charged what it costs
+while it is held: the rows Lance reads (wanted rows plus the short gaps the reader scans
+through, :data:`slafload.reader.MAX_GAP_ROWS`) times the row width, times
+:data:`COPIES` (the Arrow batches, the concatenated columns, the chunk's arrays).
+
+* Read-ahead starts another fetch only while the reads in flight fit the budget
+  (:func:`fits`); the current fetch is always read, so a run never stalls.
+* A fetch that alone exceeds half the budget is read in groups of consecutive ranges
+  (:func:`groups`, cut at cell boundaries when one range is too large), each group checked and
+  converted to compact arrays before the next is read, so its Arrow data is freed group by
+  group. The groups are concatenated in read order, so the chunk, its shuffle and every
+  delivered cell are exactly those of a whole-fetch read.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from slafload.types import Chunk, Fetch
+
+COPIES = 3  # Arrow batches, their concatenation into columns, the chunk's numpy arrays
+
+
+def row_bytes(schema: pa.Schema, columns: list[str]) -> int:
+    """Bytes per expression row of ``columns`` (fixed-width types; 8 for anything else)."""
+    width = 0
+    for name in columns:
+        typ = schema.field(name).type
+        width += typ.bit_width // 8 if pa.types.is_primitive(typ) else 8
+    return width
+
+
+def read_rows(fetch: Fetch, cell_start: np.ndarray, max_gap: int) -> np.ndarray:
+    """Rows each range of ``fetch`` makes Lance read: its own, plus a preceding gap the reader
+    scans through (at most ``max_gap`` rows after the previous range)."""
+    rows = cell_start[fetch.ranges]
+    own = rows[:, 1] - rows[:, 0]
+    gap = np.zeros(len(rows), dtype=np.int64)
+    if len(rows) > 1:
+        g = rows[1:, 0] - rows[:-1, 1]
+        gap[1:] = np.where((g >= 0) & (g <= max_gap), g, 0)
+    return own + gap
+
+
+def cost(fetch: Fetch, cell_start: np.ndarray, width: int, max_gap: int) -> int:
+    """Bytes charged to ``fetch`` while it is read and assembled."""
+    return int(read_rows(fetch, cell_start, max_gap).sum()) * width * COPIES
+
+
+def fits(in_flight: int, extra: int, budget: int) -> bool:
+    """Whether ``extra`` more bytes may be started with ``in_flight`` held (always if none)."""
+    return in_flight == 0 or in_flight + extra <= budget
+
+
+def groups(
+    fetch: Fetch, cell_start: np.ndarray, width: int, max_bytes: int, max_gap: int
+) -> list[Fetch]:
+    """``fetch`` cut into consecutive groups of ranges costing about ``max_bytes`` each.
+
+    A range costing more is cut at cell boundaries (a single cell is never cut). The groups'
+    ranges, concatenated, are ``fetch.ranges`` in the same read order.
+    """
+    per_row = width * COPIES
+    max_rows = max(1, max_bytes // per_row)
+    pieces: list[np.ndarray] = []
+    for (a, b), rows in zip(
+        fetch.ranges.tolist(), read_rows(fetch, cell_start, max_gap).tolist(), strict=True
+    ):
+        if rows <= max_rows or b - a <= 1:
+            pieces.append(np.array([[a, b]], dtype=np.int64))
+            continue
+        offsets = cell_start[a : b + 1] - cell_start[a]
+        cuts = np.searchsorted(offsets, np.arange(max_rows, int(offsets[-1]), max_rows), "right")
+        cuts = np.unique(np.clip(cuts - 1, 1, b - a - 1))
+        edges = np.concatenate([[0], cuts, [b - a]]) + a
+        pieces.append(np.stack([edges[:-1], edges[1:]], axis=1))
+    ranges = np.concatenate(pieces) if pieces else np.zeros((0, 2), dtype=np.int64)
+    rows = cell_start[ranges[:, 1]] - cell_start[ranges[:, 0]]
+    group = (np.cumsum(rows) - rows) // max_rows
+    bounds = np.flatnonzero(np.diff(group, prepend=-1, append=group[-1] + 1 if len(group) else 0))
+    return [
+        Fetch(fetch.index, ranges[lo:hi], None)
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
+    ]
+
+
+def concat(index: int, chunks: list[Chunk]) -> Chunk:
+    """Chunks of consecutive groups of one fetch as one chunk, in read order."""
+    if len(chunks) == 1:
+        return chunks[0]
+    rows = [c for c in chunks if len(c.genes)] or chunks[:1]  # an empty chunk's dtypes are
+    lengths = np.concatenate([c.lengths for c in chunks])  # placeholders: leave them out
+    indptr = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=indptr[1:])
+    cell_ids = np.concatenate([c.cell_ids for c in chunks])
+    return Chunk(
+        index,
+        cell_ids,
+        indptr,
+        np.concatenate([c.genes for c in rows]),
+        np.concatenate([c.values for c in rows]),
+        np.arange(len(cell_ids), dtype=np.int64),
+    )

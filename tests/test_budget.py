@@ -1,0 +1,62 @@
+"""A byte budget bounds what is read at once without changing a single delivered cell."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import random_counts, write_dense
+
+from slafload import Loader, open_dataset
+from slafload.budget import cost, groups
+from slafload.samplers import BlockShuffle, ChunkShuffle, Fetch
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    dense = random_counts(300, 25, seed=5, density=0.4, empty_every=19)
+    path = tmp_path_factory.mktemp("budget") / "b.slaf"
+    return open_dataset(write_dense(path, dense, max_rows_per_file=150))
+
+
+def cells_and_tokens(ds, sampler, **settings):
+    with Loader(ds, sampler=sampler, batch_size=8, max_genes=8, seed=1, **settings) as loader:
+        batches = [{k: v.numpy() for k, v in b.items()} for b in loader]
+    return (np.concatenate([b["cell_integer_id"] for b in batches]),
+            np.concatenate([b["input_ids"] for b in batches]))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [ChunkShuffle(chunk_cells=120), BlockShuffle(block_size=4, fetch_factor=6, batch_size=8)],
+)
+@pytest.mark.parametrize("budget", [1, 600, 5000])
+def test_a_tiny_budget_still_delivers_every_cell_exactly_once_in_the_same_order(
+    dataset, sampler, budget
+):
+    cells, tokens = cells_and_tokens(dataset, sampler, memory_budget=budget, read_ahead=2)
+    assert sorted(cells.tolist()) == list(range(300))
+    ref_cells, ref_tokens = cells_and_tokens(dataset, sampler)
+    np.testing.assert_array_equal(cells, ref_cells)
+    np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+def test_groups_keep_the_read_order_and_cut_large_ranges_at_cells(dataset):
+    start = dataset.cell_start
+    fetch = Fetch(4, np.array([[200, 300], [0, 5], [7, 9], [7, 9], [120, 121]]), shuffle_seed=3)
+    parts = groups(fetch, start, width=8, max_bytes=8 * 3 * 40, max_gap=0)
+    assert all(g.index == 4 and g.shuffle_seed is None for g in parts)
+    joined = np.concatenate([g.cell_ids() for g in parts])
+    np.testing.assert_array_equal(joined, fetch.cell_ids())
+    assert len(parts) > 5
+    for g in parts:  # about max_bytes each: over it only by one cell or one short range
+        rows = start[g.ranges[:, 1]] - start[g.ranges[:, 0]]
+        assert rows[:-1].sum() <= 40
+
+
+def test_cost_counts_the_gaps_the_reader_scans_through(dataset):
+    start = dataset.cell_start
+    fetch = Fetch(0, np.array([[0, 2], [5, 6]]))
+    own = int((start[[2, 6]] - start[[0, 5]]).sum())
+    gap = int(start[5] - start[2])
+    assert cost(fetch, start, width=8, max_gap=0) == own * 8 * 3
+    assert cost(fetch, start, width=8, max_gap=10**9) == (own + gap) * 8 * 3

@@ -1,0 +1,90 @@
+"""Direct data-file reads: exactly take_scan's rows, and a fallback wherever they would not be."""
+
+from __future__ import annotations
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+from conftest import random_counts, write_dense
+
+from slafload import open_dataset
+from slafload.data_files import DataFiles
+from slafload.reader import COLUMNS, Reader
+from slafload.samplers import BlockShuffle
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    dense = random_counts(500, 30, seed=4, density=0.3, empty_every=13)
+    return open_dataset(write_dense(tmp_path / "d.slaf", dense, max_rows_per_file=173))
+
+
+def rows_of(batches) -> pa.Table:
+    return pa.Table.from_batches(list(batches)) if batches else None
+
+
+def test_every_range_reads_the_same_rows_as_take_scan_across_file_boundaries(dataset):
+    files = DataFiles.of(dataset.expression, COLUMNS)
+    assert files is not None and files.n_files > 10
+    rng = np.random.default_rng(0)
+    starts = np.sort(rng.choice(dataset.n_rows - 400, size=40, replace=False))
+    rows = np.stack([starts, starts + rng.integers(1, 400, size=40)], axis=1)
+    got = files.read(rows, COLUMNS)
+    for (a, b), batches in zip(rows.tolist(), got, strict=True):
+        want = pa.Table.from_batches(list(dataset.expression._ds.take_scan([(a, b)], COLUMNS)))
+        assert pa.Table.from_batches(batches).equals(want)
+
+
+def test_a_tiny_reader_cache_still_reads_exactly(dataset):
+    files = DataFiles.of(dataset.expression, COLUMNS, max_open=1)
+    rows = np.array([[900, 950], [10, 20], [2000, 2300], [11, 12]], dtype=np.int64)
+    got = [pa.Table.from_batches(b) for b in files.read(rows, COLUMNS)]
+    for (a, b), table in zip(rows.tolist(), got, strict=True):
+        assert table.equals(dataset.expression.take(list(range(a, b)), columns=COLUMNS))
+    assert len(files._open) == 1
+
+
+def test_the_reader_takes_the_direct_path_and_its_fetches_match_take_scan(dataset):
+    direct, scan = Reader(dataset), Reader(dataset, direct=False)
+    plan = BlockShuffle(block_size=4, fetch_factor=2, batch_size=8).plan(500, seed=1, epoch=0)
+    for fetch in plan:
+        got, want = rows_of(list(direct.read(fetch))), rows_of(list(scan.read(fetch)))
+        assert (got is None and want is None) or got.equals(want)
+    assert direct.data_files() is not None and scan.data_files() is None
+
+
+def test_a_table_with_deleted_rows_falls_back_to_take_scan(dataset):
+    lance.dataset(dataset.expression.uri).delete("gene_integer_id = 3")
+    deleted = lance.dataset(dataset.expression.uri)
+    assert DataFiles.of(deleted, COLUMNS) is None
+
+
+def test_a_table_with_an_added_column_file_falls_back(tmp_path):
+    path = write_dense(tmp_path / "c.slaf", random_counts(50, 10, seed=1), max_rows_per_file=40)
+    expression = lance.dataset(str(path / "expression.lance"))
+    expression.add_columns({"extra": "value * 2"})
+    assert DataFiles.of(lance.dataset(expression.uri), COLUMNS) is None
+
+
+def test_pieces_cut_ranges_at_file_boundaries():
+    files = DataFiles(["a", "b", "c"], np.array([0, 10, 20, 30]))
+    which, file, lo, n = files.pieces(np.array([[5, 25], [10, 11], [29, 30]]))
+    assert which.tolist() == [0, 0, 0, 1, 2]
+    assert file.tolist() == [0, 1, 2, 1, 2]
+    assert lo.tolist() == [5, 0, 0, 0, 9]
+    assert n.tolist() == [5, 10, 5, 1, 1]
+
+
+def test_direct_reads_in_a_loader_deliver_the_same_batches(dataset):
+    from slafload import Loader
+
+    sampler = BlockShuffle(block_size=3, fetch_factor=4, batch_size=16)
+    runs = []
+    for direct in (True, False):
+        with Loader(dataset, sampler=sampler, batch_size=16, max_genes=8,
+                    read_data_files=direct) as loader:  # fmt: skip
+            runs.append([b["input_ids"].numpy() for b in loader])
+    assert len(runs[0]) == len(runs[1])
+    for a, b in zip(*runs, strict=True):
+        np.testing.assert_array_equal(a, b)
