@@ -30,14 +30,15 @@ to the device here; tokenizing there for :mod:`slafload.device_tokenize`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from slafload.buffers import RowBuffers
 from slafload.config import LoaderConfig
-from slafload.ragged import RAGGED_KEY, Ragged, ragged_tokens
+from slafload.ragged import RAGGED_KEY, Ragged, _builtin, ragged_tokens
 from slafload.ranking import PendingRank, start_rank
 from slafload.stage import Stage
 from slafload.types import Chunk, Tokenizer
@@ -156,10 +157,15 @@ class TokenStage(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class HostTokens:
-    """Rank on Polars' threads and tokenize with numpy on the producer thread."""
+    """Rank and tokenize with numpy on the producer thread (Polars' threads for float64).
+
+    The built-in tokenizers write padded rows into arrays reused from piece to piece once the
+    consumer has released every batch viewing them (:mod:`slafload.buffers`).
+    """
 
     tokenizer: Tokenizer
     layout: Layout
+    buffers: RowBuffers = field(default_factory=RowBuffers)
 
     def start(self, piece: Chunk) -> PendingRank:
         return start_rank(piece)
@@ -169,6 +175,10 @@ class HostTokens:
         dtype = self.layout.token_dtype
         if self.layout.ragged:
             arrays = self.layout.piece(ragged_tokens(self.tokenizer, ranked, dtype))
+        elif _builtin(self.tokenizer) is not None:
+            arrays = dict(self.tokenizer(ranked, buffers=self.buffers))  # type: ignore[call-arg]
+            if dtype != np.int64:
+                arrays = {k: _narrow(v, dtype) for k, v in arrays.items()}
         else:
             arrays = dict(self.tokenizer(ranked))
             if dtype != np.int64:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from slafload._validate import check_int
-from slafload.ranges import expand
+from slafload.buffers import RowBuffers, copy_runs
 from slafload.types import RankedChunk, Tokenizer
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
@@ -43,27 +43,35 @@ def _check_max_genes(max_genes: int, minimum: int) -> None:
     check_int("max_genes", max_genes, low=minimum)
 
 
-def _destinations(
-    ranked: RankedChunk, width: int, limit: int, first_col: int
-) -> tuple[np.ndarray, np.ndarray | slice]:
-    """Where each entry ranked below ``limit`` goes in a C-ordered ``[n_cells, width]`` array.
-
-    Entry ``e`` of read-order cell ``c`` (rank ``e - indptr[c]``) lands at row
-    ``row_of_cell[c]``, column ``first_col + rank``. Returns flat indices and the selector of
-    the entries they belong to (a ``slice`` when every entry fits, so nothing is copied).
-    """
-    lengths, starts = ranked.lengths, ranked.indptr[:-1]
-    flat = expand(ranked.row_of_cell * width + first_col, lengths)
-    over = np.flatnonzero(lengths > limit)
-    if len(over) == 0:
-        return flat, slice(None)
-    keep = np.ones(len(flat), dtype=bool)  # few cells overflow: drop just their excess
-    keep[expand(starts[over] + limit, lengths[over] - limit)] = False
-    return flat[keep], keep
+def _padded(
+    buffers: RowBuffers | None, name: str, ends: np.ndarray, width: int, dtype: type, pad=0
+) -> np.ndarray:
+    """``[len(ends), width]`` rows holding ``pad`` from column ``ends[i]`` on (see
+    :meth:`RowBuffers.rows`): from ``buffers`` when given, else newly allocated."""
+    if buffers is not None:
+        return buffers.rows(name, ends, width, np.dtype(dtype), pad)
+    return np.full((len(ends), width), pad, dtype=dtype)
 
 
-def _gene_tokens(ranked: RankedChunk, keep: np.ndarray | slice) -> np.ndarray:
-    return np.add(ranked.genes[keep], GENE_OFFSET, dtype=np.int64)
+def _fill_rows(
+    out: np.ndarray, src: np.ndarray, ranked: RankedChunk, limit: int, first_col: int
+) -> None:
+    """Each read-order cell's first ``limit`` entries of ``src`` into its output row of
+    ``out`` from column ``first_col`` (one slice copy per cell, see :func:`copy_runs`)."""
+    width = out.shape[1]
+    dst = ranked.row_of_cell * width + first_col
+    copy_runs(out.reshape(-1), dst, src, ranked.indptr[:-1], np.minimum(ranked.lengths, limit))
+
+
+def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarray:
+    """``attention_mask``: row ``i`` is true on its first ``ends[i]`` columns."""
+    mask = _padded(buffers, "attention_mask", np.full(len(ends), width), width, bool, False)
+    np.less(np.arange(width), ends[:, None], out=mask)
+    return mask
+
+
+def _gene_tokens(ranked: RankedChunk) -> np.ndarray:
+    return np.add(ranked.genes, GENE_OFFSET, dtype=np.int64)
 
 
 class Geneformer:
@@ -75,16 +83,19 @@ class Geneformer:
         _check_max_genes(max_genes, 2)
         self.max_genes = max_genes
 
-    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+    def __call__(
+        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None
+    ) -> dict[str, np.ndarray]:
+        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`)."""
         width = self.max_genes
-        ids = np.zeros((ranked.n_cells, width), dtype=np.int64)
-        ids[:, 0] = CLS
-        flat, keep = _destinations(ranked, width, width - 1, first_col=1)
-        ids.reshape(-1)[flat] = _gene_tokens(ranked, keep)
-        sep = ranked.output_lengths(width - 1) + 1
+        sep = ranked.output_lengths(width - 1) + 1  # column of SEP, where it fits
         fits = np.flatnonzero(sep < width)
+        ends = np.minimum(sep + 1, width)
+        ids = _padded(buffers, "input_ids", ends, width, np.int64, PAD)
+        ids[:, 0] = CLS
+        _fill_rows(ids, _gene_tokens(ranked), ranked, width - 1, first_col=1)
         ids[fits, sep[fits]] = SEP
-        return {"input_ids": ids, "attention_mask": ids != PAD}
+        return {"input_ids": ids, "attention_mask": _mask(buffers, ends, width)}
 
 
 class ScGPT:
@@ -108,17 +119,21 @@ class ScGPT:
         """``int64`` bin of every entry of ``ranked`` (before ``value_offset``)."""
         return quantile_bins(ranked, self.n_bins)
 
-    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
-        width = self.max_genes + 2
-        ids = np.zeros((ranked.n_cells, width), dtype=np.int64)
-        values = np.zeros((ranked.n_cells, width), dtype=np.int64)
-        ids[:, 0] = CLS
-        flat, keep = _destinations(ranked, width, self.max_genes, first_col=1)
-        ids.reshape(-1)[flat] = _gene_tokens(ranked, keep)
-        values.reshape(-1)[flat] = self.bins(ranked)[keep] + self.value_offset
-        sep = ranked.output_lengths(self.max_genes) + 1
+    def __call__(
+        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None
+    ) -> dict[str, np.ndarray]:
+        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`)."""
+        width, limit = self.max_genes + 2, self.max_genes
+        sep = ranked.output_lengths(limit) + 1  # SEP always fits
+        ids = _padded(buffers, "input_ids", sep + 1, width, np.int64, PAD)
+        values = _padded(buffers, "values", sep, width, np.int64, PAD)
+        ids[:, 0], values[:, 0] = CLS, PAD
+        _fill_rows(ids, _gene_tokens(ranked), ranked, limit, first_col=1)
+        bins = np.add(self.bins(ranked), self.value_offset, dtype=np.int64)
+        _fill_rows(values, bins, ranked, limit, first_col=1)
         ids[np.arange(ranked.n_cells), sep] = SEP
-        return {"input_ids": ids, "attention_mask": ids != PAD, "values": values}
+        return {"input_ids": ids, "attention_mask": _mask(buffers, sep + 1, width),
+                "values": values}  # fmt: skip
 
 
 class Raw:
@@ -130,17 +145,17 @@ class Raw:
         _check_max_genes(max_genes, 1)
         self.max_genes = max_genes
 
-    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
-        gene_ids = np.full((ranked.n_cells, self.max_genes), -1, dtype=np.int64)
-        values = np.zeros((ranked.n_cells, self.max_genes), dtype=np.float32)
-        flat, keep = _destinations(ranked, self.max_genes, self.max_genes, first_col=0)
-        gene_ids.reshape(-1)[flat] = ranked.genes[keep]
-        values.reshape(-1)[flat] = ranked.values[keep]
-        return {
-            "gene_ids": gene_ids,
-            "values": values,
-            "lengths": ranked.output_lengths(self.max_genes),
-        }
+    def __call__(
+        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None
+    ) -> dict[str, np.ndarray]:
+        """Padded rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`)."""
+        width = self.max_genes
+        lengths = ranked.output_lengths(width)
+        gene_ids = _padded(buffers, "gene_ids", lengths, width, np.int64, -1)
+        values = _padded(buffers, "values", lengths, width, np.float32, 0)
+        _fill_rows(gene_ids, ranked.genes, ranked, width, first_col=0)
+        _fill_rows(values, ranked.values, ranked, width, first_col=0)
+        return {"gene_ids": gene_ids, "values": values, "lengths": lengths}
 
 
 def quantile_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
