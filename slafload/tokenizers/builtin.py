@@ -166,6 +166,10 @@ def quantile_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
     for all cells of the chunk at once, using that each cell's values are already sorted.
     (scGPT breaks ties at bin edges at random; we take numpy's left edge, deterministically.)
     Returns ``int64`` bins aligned with ``ranked.values``.
+
+    Only the ``cells x (n_bins - 1)`` edges are computed and located; the entries are touched
+    by one comparison pass (where ties sit) and by the final ``np.repeat`` of each cell's runs
+    of equal bins.
     """
     values, indptr = ranked.values, ranked.indptr
     n = ranked.lengths
@@ -179,24 +183,33 @@ def quantile_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
     count, base = n[cells][:, None], start[cells][:, None]
     q = np.linspace(0.0, 1.0, n_bins - 1)
     virtual = (count - 1) * q[None, :]
-    prev = np.minimum(np.floor(virtual).astype(np.int64), count - 1)
+    floor = np.floor(virtual)
+    prev = np.minimum(floor.astype(np.int64), count - 1)
     nxt = np.minimum(prev + 1, count - 1)
     lo_at = base + count - 1 - prev  # descending position of the ascending value [prev]
     lo, hi = values[lo_at], values[base + count - 1 - nxt]
-    edges = _lerp(lo, hi, virtual - np.floor(virtual))
+    edges = _lerp(lo, hi, virtual - floor)
     # covered[j] = how many of the cell's values are >= edge j. Above `lo` the edge lies in
     # (lo, hi], so exactly the values from ascending index nxt up; at `lo` it is every value
     # down to the end of lo's run of ties.
-    run_starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
-    run_starts = np.union1d(run_starts, start[cells])
-    after_run = np.append(run_starts, m)[np.searchsorted(run_starts, lo_at, side="right")]
-    covered = np.where(edges <= lo, after_run - base, count - nxt)
-    # bin of the value at descending index r = #{j : r < covered[j]} = edges - #{covered <= r}
-    hits = np.bincount((base + covered).ravel(), minlength=m + 1)[:m]
-    below = np.cumsum(hits) - np.repeat(
-        np.arange(len(cells), dtype=np.int64) * (n_bins - 1), n[cells]
-    )
-    return (n_bins - 1) - below
+    covered = count - nxt
+    ties = (edges <= lo)[:, ::-1]  # reversed: the positions then ascend through the chunk
+    if ties.any():
+        run_start = np.empty(m, dtype=bool)
+        run_start[0] = True
+        np.not_equal(values[1:], values[:-1], out=run_start[1:])
+        run_start[start[cells]] = True
+        run_starts = np.flatnonzero(run_start)
+        at = lo_at[:, ::-1][ties]
+        after_run = np.append(run_starts, m)[np.searchsorted(run_starts, at, side="right")]
+        covered[:, ::-1][ties] = after_run - np.broadcast_to(base, ties.shape)[ties]
+    # bin of the value at descending index r = #{j : r < covered[j]}: with covered sorted
+    # descending, runs of bins n_bins - 1, ..., 1, 0 ending at covered[-1], ..., covered[0], n.
+    covered = -np.sort(-covered, axis=1)
+    bounds = np.concatenate([np.zeros_like(count), covered[:, ::-1], count], axis=1)
+    runs = np.diff(bounds, axis=1)
+    bins = np.broadcast_to(np.arange(n_bins - 1, -1, -1, dtype=np.int64), runs.shape)
+    return np.repeat(bins.ravel(), runs.ravel())
 
 
 def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
