@@ -66,7 +66,8 @@ def _fill_rows(
 def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarray:
     """``attention_mask``: row ``i`` is true on its first ``ends[i]`` columns."""
     mask = _padded(buffers, "attention_mask", np.full(len(ends), width), width, bool, False)
-    np.less(np.arange(width), ends[:, None], out=mask)
+    small = np.min_scalar_type(-width)  # int16 for any real width: a quarter of int64's work
+    np.less(np.arange(width, dtype=small), ends.astype(small)[:, None], out=mask)
     return mask
 
 
@@ -119,6 +120,12 @@ class ScGPT:
         """``int64`` bin of every entry of ``ranked`` (before ``value_offset``)."""
         return quantile_bins(ranked, self.n_bins)
 
+    def value_tokens(self, ranked: RankedChunk) -> np.ndarray:
+        """``bins(ranked) + value_offset``, in one pass when the bins are the built-in ones."""
+        if type(self).bins is ScGPT.bins:
+            return quantile_bins(ranked, self.n_bins, offset=self.value_offset)
+        return np.add(self.bins(ranked), self.value_offset, dtype=np.int64)
+
     def __call__(
         self, ranked: RankedChunk, *, buffers: RowBuffers | None = None
     ) -> dict[str, np.ndarray]:
@@ -129,8 +136,7 @@ class ScGPT:
         values = _padded(buffers, "values", sep, width, np.int64, PAD)
         ids[:, 0], values[:, 0] = CLS, PAD
         _fill_rows(ids, _gene_tokens(ranked), ranked, limit, first_col=1)
-        bins = np.add(self.bins(ranked), self.value_offset, dtype=np.int64)
-        _fill_rows(values, bins, ranked, limit, first_col=1)
+        _fill_rows(values, self.value_tokens(ranked), ranked, limit, first_col=1)
         ids[np.arange(ranked.n_cells), sep] = SEP
         return {"input_ids": ids, "attention_mask": _mask(buffers, sep + 1, width),
                 "values": values}  # fmt: skip
@@ -158,14 +164,14 @@ class Raw:
         return {"gene_ids": gene_ids, "values": values, "lengths": lengths}
 
 
-def quantile_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
+def quantile_bins(ranked: RankedChunk, n_bins: int, offset: int = 0) -> np.ndarray:
     """scGPT's per-cell binning of every entry: ``np.digitize(x, np.quantile(nz, q))``.
 
     ``nz`` is the cell's non-zero values and ``q = linspace(0, 1, n_bins - 1)``, so bins run
     from 1 to ``n_bins - 1``. This reproduces numpy's linear quantile interpolation exactly,
     for all cells of the chunk at once, using that each cell's values are already sorted.
     (scGPT breaks ties at bin edges at random; we take numpy's left edge, deterministically.)
-    Returns ``int64`` bins aligned with ``ranked.values``.
+    Returns ``int64`` bins aligned with ``ranked.values``, plus ``offset``.
 
     Only the ``cells x (n_bins - 1)`` edges are computed and located; the entries are touched
     by one comparison pass (where ties sit) and by the final ``np.repeat`` of each cell's runs
@@ -208,8 +214,8 @@ def quantile_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
     covered = -np.sort(-covered, axis=1)
     bounds = np.concatenate([np.zeros_like(count), covered[:, ::-1], count], axis=1)
     runs = np.diff(bounds, axis=1)
-    bins = np.broadcast_to(np.arange(n_bins - 1, -1, -1, dtype=np.int64), runs.shape)
-    return np.repeat(bins.ravel(), runs.ravel())
+    bins = np.arange(n_bins - 1 + offset, offset - 1, -1, dtype=np.int64)
+    return np.repeat(np.broadcast_to(bins, runs.shape).ravel(), runs.ravel())
 
 
 def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:
