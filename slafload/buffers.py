@@ -24,6 +24,23 @@ from dataclasses import dataclass
 import numpy as np
 
 _FREE = 2  # references to a pooled array nobody else holds: the entry's and getrefcount's
+_scratch = threading.local()
+
+
+def scratch(name: str, n: int, dtype: type) -> np.ndarray:
+    """An uninitialised 1-D array of ``n`` elements, reused by every call on this thread.
+
+    For temporaries that never leave the function using them (e.g. ranking keys): each
+    fresh multi-megabyte temporary costs its page faults again, since the allocator hands
+    large blocks back to the kernel when they are freed. One array per ``(name, dtype)`` is
+    kept per thread, as large as the largest request, and freed with the thread.
+    """
+    arrays = _scratch.__dict__.setdefault("arrays", {})
+    key = (name, np.dtype(dtype))
+    array = arrays.get(key)
+    if array is None or len(array) < n:
+        array = arrays[key] = np.empty(n, dtype=dtype)
+    return array[:n]
 
 
 @dataclass(eq=False)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from slafload.buffers import copy_runs
+from slafload.buffers import copy_runs, scratch
 from slafload.errors import LayoutError
 from slafload.tokenizers import CLS, GENE_OFFSET, SEP, Geneformer, Raw, ScGPT, Tokenizer
 from slafload.types import RankedChunk
@@ -146,7 +146,8 @@ def _sentences(
     starts = offsets[:-1]
     ids = np.empty(offsets[-1], dtype=dtype)  # CLS, genes and SEP cover every slot
     ids[starts] = CLS
-    tokens = np.add(ranked.genes, GENE_OFFSET, dtype=dtype, casting="unsafe")
+    tokens = scratch("gene_tokens", len(ranked.genes), dtype)
+    np.add(ranked.genes, GENE_OFFSET, out=tokens, dtype=dtype, casting="unsafe")
     _copy_genes([(ids, tokens)], ranked, starts, limit, first=1)
     ids[(starts + 1 + kept)[sep]] = SEP
     return offsets, ids

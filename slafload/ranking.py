@@ -22,6 +22,7 @@ import numpy as np
 import polars as pl
 
 from slafload._compat import BackgroundQuery, collect_in_background
+from slafload.buffers import scratch
 from slafload.stage import Stage
 from slafload.types import Chunk, RankedChunk
 
@@ -123,14 +124,18 @@ def rank_by_keys(
         return None
     key_type = np.uint32 if value_bits + gene_bits <= 32 else np.uint64
     top = (1 << value_bits) - 1
-    keys = np.subtract(top, as_int, dtype=key_type, casting="unsafe")
+    keys = np.subtract(top, as_int, out=scratch("rank_keys", len(genes), key_type),
+                       dtype=key_type, casting="unsafe")  # fmt: skip
     keys <<= gene_bits
-    keys |= genes.astype(key_type, copy=False)
+    np.bitwise_or(keys, genes, out=keys, dtype=key_type, casting="unsafe")
     bounds = indptr.tolist()
     for start, stop in pairwise(bounds):
         if stop - start > 1:
             keys[start:stop].sort()
-    ranked_genes = (keys & ((1 << gene_bits) - 1)).astype(genes.dtype)
+    if genes.dtype.kind == "u" and genes.dtype.itemsize * 8 == gene_bits:
+        ranked_genes = keys.astype(genes.dtype)  # the low bits are the gene
+    else:
+        ranked_genes = (keys & ((1 << gene_bits) - 1)).astype(genes.dtype)
     keys >>= gene_bits
     ranked = np.subtract(top, keys, dtype=as_int.dtype, casting="unsafe")
     return ranked_genes, ranked.view(values.dtype) if values.dtype.kind == "f" else ranked

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from slafload._validate import check_int
-from slafload.buffers import RowBuffers, copy_runs
+from slafload.buffers import RowBuffers, copy_runs, scratch
 from slafload.types import RankedChunk, Tokenizer
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
@@ -72,7 +72,9 @@ def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarra
 
 
 def _gene_tokens(ranked: RankedChunk) -> np.ndarray:
-    return np.add(ranked.genes, GENE_OFFSET, dtype=np.int64)
+    """Gene id + ``GENE_OFFSET`` of every entry, in this thread's scratch (copied out at once)."""
+    out = scratch("gene_tokens", len(ranked.genes), np.int64)
+    return np.add(ranked.genes, GENE_OFFSET, out=out, dtype=np.int64)
 
 
 class Geneformer:
