@@ -15,6 +15,7 @@ The result keeps the chunk's CSR layout, so a cell's ranked genes are contiguous
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import pairwise
 from typing import Any
 
@@ -161,14 +162,15 @@ def _value_key(values: np.ndarray) -> tuple[int | None, np.ndarray]:
 
 
 class RankGenes(Stage[Any]):
-    """Starts each piece's token work ``lookahead`` pieces ahead; yields the started work.
+    """Does each piece's token work ``lookahead`` pieces ahead, on a worker thread.
 
-    ``start`` is the token stage's (:mod:`slafload.layout`): on the producer it ranks the
-    piece on Polars' threads (:func:`start_rank`), for device tokenizing it only packs the
-    piece's CSR. With one piece of lookahead, Polars ranks piece ``i + 1`` while the
-    tokenizer (numpy, this thread) works on piece ``i``, so both cores work. If pulling the
-    next piece fails, the pieces already started are handed on first and the failure is
-    raised after them.
+    ``start`` is the token stage's (:mod:`slafload.layout`): on the producer it ranks and
+    tokenizes the piece, for device tokenizing it only packs the piece's CSR. It runs on one
+    worker thread owned by this stage, so piece ``i + 1`` is ranked and tokenized while this
+    thread cuts piece ``i`` into batches and assembles the next chunk (numpy releases the GIL
+    in its bulk work: both cores work; measured in docs/benchmarks.md). Results come back in
+    order. If pulling the next piece fails, the pieces already started are handed on first
+    and the failure is raised after them; a failure of the work itself is raised in its turn.
     """
 
     def __init__(
@@ -180,8 +182,9 @@ class RankGenes(Stage[Any]):
     ):
         super().__init__(source)
         self.start, self.lookahead = start, lookahead
-        self._pending: list[Any] = []
+        self._pending: list[Future[Any]] = []
         self._failure: BaseException | None = None
+        self._worker: ThreadPoolExecutor | None = None
 
     def __next__(self) -> Any:
         while self._failure is None and len(self._pending) <= self.lookahead:
@@ -192,17 +195,24 @@ class RankGenes(Stage[Any]):
             except Exception as exc:  # deliver what was read before the failure, then raise
                 self._failure = exc
                 break
-            self._pending.append(self.start(piece))
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="slafload-tokens")
+            self._pending.append(self._worker.submit(self.start, piece))
         if self._pending:
-            return self._pending.pop(0)
+            return self._pending.pop(0).result()
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
         raise StopIteration
 
     def close(self) -> None:
-        """Wait out rankings in flight (Polars must never send to nobody), close the source."""
+        """Wait out the work in flight (Polars must never send to nobody), end the worker,
+        close the source."""
         pending, self._pending = self._pending, []
-        for work in pending:
-            work.discard()
+        for future in pending:
+            if not future.cancel() and future.exception() is None:
+                future.result().discard()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         super().close()
