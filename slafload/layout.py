@@ -21,7 +21,8 @@ layout. ``token_dtype="int32"`` makes every integer token stream (and ``position
 ``int32``; ``cu_seqlens`` is always ``int32``, per-cell arrays stay ``int64``.
 
 The producer side of tokenizing is a *token stage* with four steps, so any chain of stages
-can call it: ``start(piece)`` begins the work on a piece (ranking, on Polars' threads),
+can call it: ``start(piece)`` does the work on a piece that can run ahead of its turn (ranking
+and tokenizing, on the rank stage's worker thread),
 ``rows(pending)`` returns the piece's row-aligned arrays and output cell ids, ``finish(batch)``
 lays out one batch's rows, and ``consume(batch, device)`` is the consumer's last step (a move
 to the device here; tokenizing there for :mod:`slafload.device_tokenize`).
@@ -30,17 +31,18 @@ to the device here; tokenizing there for :mod:`slafload.device_tokenize`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from slafload.buffers import RowBuffers
 from slafload.config import LoaderConfig
-from slafload.ragged import RAGGED_KEY, Ragged, ragged_tokens
+from slafload.ragged import RAGGED_KEY, Ragged, _builtin, ragged_tokens
 from slafload.ranking import PendingRank, start_rank
 from slafload.stage import Stage
-from slafload.types import Chunk, Tokenizer
+from slafload.types import Chunk, RankedChunk, Tokenizer
 
 INT64 = np.dtype(np.int64)
 Arrays = dict[str, Any]  # row-aligned numpy arrays, and at most one Ragged under RAGGED_KEY
@@ -155,20 +157,47 @@ class TokenStage(Protocol):
 
 
 @dataclass(frozen=True, eq=False)
+class Tokenized:
+    """A piece ranked and tokenized ahead of its turn: its rows and output cell ids."""
+
+    arrays: Arrays
+    cells: np.ndarray
+
+    def discard(self) -> None:
+        pass
+
+
+@dataclass(frozen=True, eq=False)
 class HostTokens:
-    """Rank on Polars' threads and tokenize with numpy on the producer thread."""
+    """Rank and tokenize with numpy, on the worker thread of :class:`~slafload.ranking.RankGenes`
+    (Polars' threads rank float64 values).
+
+    The built-in tokenizers write padded rows into arrays reused from piece to piece once the
+    consumer has released every batch viewing them (:mod:`slafload.buffers`).
+    """
 
     tokenizer: Tokenizer
     layout: Layout
+    buffers: RowBuffers = field(default_factory=RowBuffers)
 
-    def start(self, piece: Chunk) -> PendingRank:
-        return start_rank(piece)
+    def start(self, piece: Chunk) -> Tokenized:
+        """Rank and tokenize ``piece`` (on :class:`~slafload.ranking.RankGenes`' worker)."""
+        return Tokenized(*self._tokenize(start_rank(piece).result()))
 
-    def rows(self, pending: PendingRank) -> tuple[Arrays, np.ndarray]:
-        ranked = pending.result()
+    def rows(self, pending: Tokenized | PendingRank) -> tuple[Arrays, np.ndarray]:
+        """The rows of a started piece; a bare ranking is tokenized now."""
+        if isinstance(pending, Tokenized):
+            return pending.arrays, pending.cells
+        return self._tokenize(pending.result())
+
+    def _tokenize(self, ranked: RankedChunk) -> tuple[Arrays, np.ndarray]:
         dtype = self.layout.token_dtype
         if self.layout.ragged:
             arrays = self.layout.piece(ragged_tokens(self.tokenizer, ranked, dtype))
+        elif _builtin(self.tokenizer) is not None:
+            arrays = dict(self.tokenizer(ranked, buffers=self.buffers))  # type: ignore[call-arg]
+            if dtype != np.int64:
+                arrays = {k: _narrow(v, dtype) for k, v in arrays.items()}
         else:
             arrays = dict(self.tokenizer(ranked))
             if dtype != np.int64:

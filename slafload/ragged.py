@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from slafload.buffers import copy_runs, scratch
 from slafload.errors import LayoutError
-from slafload.ranges import expand
 from slafload.tokenizers import CLS, GENE_OFFSET, SEP, Geneformer, Raw, ScGPT, Tokenizer
 from slafload.types import RankedChunk
 
@@ -72,11 +72,11 @@ class Ragged:
     def padded(self, width: int) -> dict[str, np.ndarray]:
         """Each stream as ``[n, width]`` rows padded with its pad value (rows must fit)."""
         n, lengths = len(self), self.lengths
-        flat = expand(np.arange(n, dtype=np.int64) * width, lengths)
+        dst, src = np.arange(n, dtype=np.int64) * width, self.offsets[:-1]
         out = {}
         for key, stream in self.streams.items():
             rows = np.full((n, width), self.pads[key], dtype=stream.dtype)
-            rows.reshape(-1)[flat] = stream
+            copy_runs(rows.reshape(-1), dst, stream, src, lengths)
             out[key] = rows
         return out
 
@@ -120,53 +120,48 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return offsets
 
 
-def _gene_slots(
-    ranked: RankedChunk, starts: np.ndarray, limit: int, first: int
-) -> tuple[np.ndarray, np.ndarray | slice]:
-    """Flat positions of the entries ranked below ``limit``, rows starting at ``starts``.
+def _copy_genes(
+    streams: Sequence[tuple[np.ndarray, np.ndarray]], ranked: RankedChunk, starts: np.ndarray,
+    limit: int, first: int,
+) -> None:  # fmt: skip
+    """Each cell's first ``limit`` entries of every ``(stream, source)`` pair into its row.
 
     ``starts`` is per output row; entry ``e`` of read-order cell ``c`` goes to
-    ``starts[row_of_cell[c]] + first + rank``. Returns positions and the selector of the
-    entries they belong to (a ``slice`` when every entry fits, so nothing is copied).
+    ``starts[row_of_cell[c]] + first + rank``: one slice copy per cell and stream.
     """
-    lengths = ranked.lengths
-    slots = expand(starts[ranked.row_of_cell] + first, lengths)
-    over = np.flatnonzero(lengths > limit)
-    if len(over) == 0:
-        return slots, slice(None)
-    keep = np.ones(len(slots), dtype=bool)
-    keep[expand(ranked.indptr[:-1][over] + limit, lengths[over] - limit)] = False
-    return slots[keep], keep
+    dst, src = starts[ranked.row_of_cell] + first, ranked.indptr[:-1]
+    counts = np.minimum(ranked.lengths, limit)
+    for stream, source in streams:
+        copy_runs(stream, dst, source, src, counts)
 
 
 def _sentences(
     ranked: RankedChunk, limit: int, width: int, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | slice]:
-    """``[CLS] g1..gk [SEP]`` rows (``SEP`` only where it fits in ``width``), ``k <= limit``.
-
-    Returns offsets, ids, gene slots and the entries kept, for aligned streams.
-    """
+) -> tuple[np.ndarray, np.ndarray]:
+    """Offsets and ids of ``[CLS] g1..gk [SEP]`` rows (``SEP`` only where it fits in
+    ``width``), ``k <= limit``; aligned streams are filled by :func:`_copy_genes`."""
     kept = ranked.output_lengths(limit)
     sep = kept + 1 < width
     offsets = _offsets(kept + 1 + sep)
     starts = offsets[:-1]
     ids = np.empty(offsets[-1], dtype=dtype)  # CLS, genes and SEP cover every slot
     ids[starts] = CLS
-    slots, keep = _gene_slots(ranked, starts, limit, first=1)
-    ids[slots] = np.add(ranked.genes[keep], GENE_OFFSET, dtype=dtype, casting="unsafe")
+    tokens = scratch("gene_tokens", len(ranked.genes), dtype)
+    np.add(ranked.genes, GENE_OFFSET, out=tokens, dtype=dtype, casting="unsafe")
+    _copy_genes([(ids, tokens)], ranked, starts, limit, first=1)
     ids[(starts + 1 + kept)[sep]] = SEP
-    return offsets, ids, slots, keep
+    return offsets, ids
 
 
 def _geneformer(tok: Geneformer, ranked: RankedChunk, dtype: np.dtype) -> dict:
-    offsets, ids, _, _ = _sentences(ranked, tok.max_genes - 1, tok.max_genes, dtype)
+    offsets, ids = _sentences(ranked, tok.max_genes - 1, tok.max_genes, dtype)
     return {RAGGED_KEY: Ragged(offsets, {"input_ids": ids}, {"input_ids": 0})}
 
 
 def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype) -> dict:
-    offsets, ids, slots, keep = _sentences(ranked, tok.max_genes, tok.max_genes + 2, dtype)
+    offsets, ids = _sentences(ranked, tok.max_genes, tok.max_genes + 2, dtype)
     values = np.zeros(len(ids), dtype=dtype)
-    values[slots] = tok.bins(ranked)[keep] + tok.value_offset
+    _copy_genes([(values, tok.value_tokens(ranked))], ranked, offsets[:-1], tok.max_genes, 1)
     streams = {"input_ids": ids, "values": values}
     return {RAGGED_KEY: Ragged(offsets, streams, {"input_ids": 0, "values": 0})}
 
@@ -174,11 +169,10 @@ def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype) -> dict:
 def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype) -> dict:
     lengths = ranked.output_lengths(tok.max_genes)
     offsets = _offsets(lengths)
-    slots, keep = _gene_slots(ranked, offsets[:-1], tok.max_genes, first=0)
     genes = np.empty(offsets[-1], dtype=dtype)
     values = np.empty(offsets[-1], dtype=np.float32)
-    genes[slots] = ranked.genes[keep]
-    values[slots] = ranked.values[keep]
+    pairs = [(genes, ranked.genes), (values, ranked.values)]
+    _copy_genes(pairs, ranked, offsets[:-1], tok.max_genes, first=0)
     streams, pads = {"gene_ids": genes, "values": values}, {"gene_ids": -1, "values": 0}
     return {RAGGED_KEY: Ragged(offsets, streams, pads, masked=False), "lengths": lengths}
 

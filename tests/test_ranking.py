@@ -47,3 +47,67 @@ def test_entry_helpers_place_each_gene_at_its_output_row_and_rank(tmp_path):
     for e in range(0, len(ranked.genes), 7):
         cell = ranked.output_cell_ids[ranked.entry_row[e]]
         assert ranked_genes(dense[cell])[ranked.entry_rank[e]] == ranked.genes[e]
+
+
+def _polars_rank(chunk, monkeypatch):
+    from slafload import ranking
+
+    with monkeypatch.context() as m:
+        m.setattr(ranking, "rank_by_keys", lambda *args: None)
+        return rank(chunk)
+
+
+def test_key_sort_ranks_exactly_as_the_polars_window_for_every_dtype(monkeypatch):
+    from slafload.ranking import rank_by_keys
+    from slafload.types import Chunk
+
+    rng = np.random.default_rng(0)
+    cases = [  # (gene dtype, value dtype, genes, value range): 32-bit, 64-bit and Polars keys
+        (np.uint16, np.uint16, 20000, 60000),
+        (np.int32, np.int32, 60000, 100000),
+        (np.int32, np.float32, 30000, 100),
+        (np.uint32, np.uint32, 1 << 20, 1 << 30),
+        (np.int64, np.int64, 5000, 1 << 40),
+        (np.int32, np.float64, 5000, 100),
+        (np.uint16, np.float16, 5000, 100),
+    ]
+    for gene_type, value_type, n_genes, top in cases:
+        lengths = rng.integers(0, 60, 300)
+        indptr = np.concatenate([[0], np.cumsum(lengths)])
+        genes = np.concatenate([np.sort(rng.choice(n_genes, k, replace=False)) for k in lengths])
+        values = rng.integers(0, top, indptr[-1])  # zeros included: they are dropped
+        if np.dtype(value_type).kind == "f":
+            values = values * rng.choice([1, 0.5, 1e-3], indptr[-1])
+        chunk = Chunk(0, np.arange(300), indptr, genes.astype(gene_type),
+                      values.astype(value_type), rng.permutation(300))  # fmt: skip
+        got, want = rank(chunk), _polars_rank(chunk, monkeypatch)
+        for name in ("indptr", "genes", "values"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (gene_type, value_type, name)
+        keyed = rank_by_keys(np.array([0, 2]), np.array([1, 2], gene_type), np.ones(2, value_type))
+        assert (keyed is None) == (value_type == np.float64)
+
+
+def test_rank_stage_works_ahead_on_a_worker_and_raises_failures_in_their_turn():
+    import threading
+
+    import pytest
+
+    from slafload.ranking import RankGenes
+
+    threads = []
+
+    def start(piece):
+        threads.append(threading.current_thread().name)
+        if piece == 2:
+            raise ValueError("piece 2")
+        return piece * 10
+
+    stage = RankGenes(iter([1, 2, 3]), start=start, lookahead=1)
+    assert next(stage) == 10
+    with pytest.raises(ValueError, match="piece 2"):
+        next(stage)
+    assert next(stage) == 30
+    stage.close()
+    assert set(threads) and all(name.startswith("slafload-tokens") for name in threads)
+    assert not [t for t in threading.enumerate() if t.name.startswith("slafload-tokens")]

@@ -141,3 +141,24 @@ def test_tokens_do_not_depend_on_the_gene_order_cells_are_stored_in(tmp_path):
     path = write_slaf(tmp_path / "u.slaf", [unsorted_csr(dense, seed=8)], n_genes=40,
                       max_rows_per_file=57)  # fmt: skip
     assert_rank_value_tokens(path, dense)
+
+
+def test_scgpt_binning_matches_numpy_on_many_random_cells():
+    from slafload.types import RankedChunk
+
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        lengths = rng.integers(0, 40, 30)
+        pools = [rng.integers(1, 4, 40), rng.random(40) * 5, np.array([0.1, 0.2, 1 / 3, 1e-7])]
+        cells = [np.sort(rng.choice(pools[trial % 3], k))[::-1] for k in lengths]
+        values = np.concatenate(cells).astype(np.float64 if trial % 3 else np.uint16)
+        indptr = np.concatenate([[0], np.cumsum(lengths)])
+        ranked = RankedChunk(0, np.arange(30), indptr, np.zeros(len(values), np.int64),
+                             values, rng.permutation(30))  # fmt: skip
+        for n_bins in (3, 7, 51):
+            bins = quantile_bins(ranked, n_bins)
+            for i, cell in enumerate(cells):
+                if len(cell):
+                    edges = np.quantile(cell.astype(values.dtype), np.linspace(0, 1, n_bins - 1))
+                    want = np.digitize(cell.astype(values.dtype), edges)
+                    np.testing.assert_array_equal(bins[indptr[i] : indptr[i + 1]], want)

@@ -40,7 +40,7 @@ from slafload.presets import (
     load_dictionary,
     measure_coverage,
 )
-from slafload.tokenizers.builtin import _destinations
+from slafload.tokenizers.builtin import _fill_rows
 from slafload.types import Chunk, RankedChunk
 
 TARGET_SUM = 10_000
@@ -146,8 +146,7 @@ class GeneformerTokens:
         width, first = self.model_input_size, int(self.special_tokens)
         body = width - 2 * first
         ids = np.full((ranked.n_cells, width), self.pad_id, dtype=np.int64)
-        flat, keep = _destinations(ranked, width, body, first_col=first)
-        ids.reshape(-1)[flat] = ranked.genes[keep]
+        _fill_rows(ids, ranked.genes, ranked, body, first_col=first)
         lengths = ranked.output_lengths(body)
         if self.special_tokens:
             ids[:, 0] = self.cls_id

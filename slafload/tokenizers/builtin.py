@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from slafload._validate import check_int
-from slafload.ranges import expand
+from slafload.buffers import RowBuffers, copy_runs, scratch
 from slafload.types import RankedChunk, Tokenizer
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
@@ -43,27 +43,38 @@ def _check_max_genes(max_genes: int, minimum: int) -> None:
     check_int("max_genes", max_genes, low=minimum)
 
 
-def _destinations(
-    ranked: RankedChunk, width: int, limit: int, first_col: int
-) -> tuple[np.ndarray, np.ndarray | slice]:
-    """Where each entry ranked below ``limit`` goes in a C-ordered ``[n_cells, width]`` array.
-
-    Entry ``e`` of read-order cell ``c`` (rank ``e - indptr[c]``) lands at row
-    ``row_of_cell[c]``, column ``first_col + rank``. Returns flat indices and the selector of
-    the entries they belong to (a ``slice`` when every entry fits, so nothing is copied).
-    """
-    lengths, starts = ranked.lengths, ranked.indptr[:-1]
-    flat = expand(ranked.row_of_cell * width + first_col, lengths)
-    over = np.flatnonzero(lengths > limit)
-    if len(over) == 0:
-        return flat, slice(None)
-    keep = np.ones(len(flat), dtype=bool)  # few cells overflow: drop just their excess
-    keep[expand(starts[over] + limit, lengths[over] - limit)] = False
-    return flat[keep], keep
+def _padded(
+    buffers: RowBuffers | None, name: str, ends: np.ndarray, width: int, dtype: type, pad=0
+) -> np.ndarray:
+    """``[len(ends), width]`` rows holding ``pad`` from column ``ends[i]`` on (see
+    :meth:`RowBuffers.rows`): from ``buffers`` when given, else newly allocated."""
+    if buffers is not None:
+        return buffers.rows(name, ends, width, np.dtype(dtype), pad)
+    return np.full((len(ends), width), pad, dtype=dtype)
 
 
-def _gene_tokens(ranked: RankedChunk, keep: np.ndarray | slice) -> np.ndarray:
-    return np.add(ranked.genes[keep], GENE_OFFSET, dtype=np.int64)
+def _fill_rows(
+    out: np.ndarray, src: np.ndarray, ranked: RankedChunk, limit: int, first_col: int
+) -> None:
+    """Each read-order cell's first ``limit`` entries of ``src`` into its output row of
+    ``out`` from column ``first_col`` (one slice copy per cell, see :func:`copy_runs`)."""
+    width = out.shape[1]
+    dst = ranked.row_of_cell * width + first_col
+    copy_runs(out.reshape(-1), dst, src, ranked.indptr[:-1], np.minimum(ranked.lengths, limit))
+
+
+def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarray:
+    """``attention_mask``: row ``i`` is true on its first ``ends[i]`` columns."""
+    mask = _padded(buffers, "attention_mask", np.full(len(ends), width), width, bool, False)
+    small = np.min_scalar_type(-width)  # int16 for any real width: a quarter of int64's work
+    np.less(np.arange(width, dtype=small), ends.astype(small)[:, None], out=mask)
+    return mask
+
+
+def _gene_tokens(ranked: RankedChunk) -> np.ndarray:
+    """Gene id + ``GENE_OFFSET`` of every entry, in this thread's scratch (copied out at once)."""
+    out = scratch("gene_tokens", len(ranked.genes), np.int64)
+    return np.add(ranked.genes, GENE_OFFSET, out=out, dtype=np.int64)
 
 
 class Geneformer:
@@ -75,16 +86,19 @@ class Geneformer:
         _check_max_genes(max_genes, 2)
         self.max_genes = max_genes
 
-    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+    def __call__(
+        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None
+    ) -> dict[str, np.ndarray]:
+        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`)."""
         width = self.max_genes
-        ids = np.zeros((ranked.n_cells, width), dtype=np.int64)
-        ids[:, 0] = CLS
-        flat, keep = _destinations(ranked, width, width - 1, first_col=1)
-        ids.reshape(-1)[flat] = _gene_tokens(ranked, keep)
-        sep = ranked.output_lengths(width - 1) + 1
+        sep = ranked.output_lengths(width - 1) + 1  # column of SEP, where it fits
         fits = np.flatnonzero(sep < width)
+        ends = np.minimum(sep + 1, width)
+        ids = _padded(buffers, "input_ids", ends, width, np.int64, PAD)
+        ids[:, 0] = CLS
+        _fill_rows(ids, _gene_tokens(ranked), ranked, width - 1, first_col=1)
         ids[fits, sep[fits]] = SEP
-        return {"input_ids": ids, "attention_mask": ids != PAD}
+        return {"input_ids": ids, "attention_mask": _mask(buffers, ends, width)}
 
 
 class ScGPT:
@@ -108,17 +122,26 @@ class ScGPT:
         """``int64`` bin of every entry of ``ranked`` (before ``value_offset``)."""
         return quantile_bins(ranked, self.n_bins)
 
-    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
-        width = self.max_genes + 2
-        ids = np.zeros((ranked.n_cells, width), dtype=np.int64)
-        values = np.zeros((ranked.n_cells, width), dtype=np.int64)
-        ids[:, 0] = CLS
-        flat, keep = _destinations(ranked, width, self.max_genes, first_col=1)
-        ids.reshape(-1)[flat] = _gene_tokens(ranked, keep)
-        values.reshape(-1)[flat] = self.bins(ranked)[keep] + self.value_offset
-        sep = ranked.output_lengths(self.max_genes) + 1
+    def value_tokens(self, ranked: RankedChunk) -> np.ndarray:
+        """``bins(ranked) + value_offset``, in one pass when the bins are the built-in ones."""
+        if type(self).bins is ScGPT.bins:
+            return quantile_bins(ranked, self.n_bins, offset=self.value_offset)
+        return np.add(self.bins(ranked), self.value_offset, dtype=np.int64)
+
+    def __call__(
+        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None
+    ) -> dict[str, np.ndarray]:
+        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`)."""
+        width, limit = self.max_genes + 2, self.max_genes
+        sep = ranked.output_lengths(limit) + 1  # SEP always fits
+        ids = _padded(buffers, "input_ids", sep + 1, width, np.int64, PAD)
+        values = _padded(buffers, "values", sep, width, np.int64, PAD)
+        ids[:, 0], values[:, 0] = CLS, PAD
+        _fill_rows(ids, _gene_tokens(ranked), ranked, limit, first_col=1)
+        _fill_rows(values, self.value_tokens(ranked), ranked, limit, first_col=1)
         ids[np.arange(ranked.n_cells), sep] = SEP
-        return {"input_ids": ids, "attention_mask": ids != PAD, "values": values}
+        return {"input_ids": ids, "attention_mask": _mask(buffers, sep + 1, width),
+                "values": values}  # fmt: skip
 
 
 class Raw:
@@ -130,27 +153,31 @@ class Raw:
         _check_max_genes(max_genes, 1)
         self.max_genes = max_genes
 
-    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
-        gene_ids = np.full((ranked.n_cells, self.max_genes), -1, dtype=np.int64)
-        values = np.zeros((ranked.n_cells, self.max_genes), dtype=np.float32)
-        flat, keep = _destinations(ranked, self.max_genes, self.max_genes, first_col=0)
-        gene_ids.reshape(-1)[flat] = ranked.genes[keep]
-        values.reshape(-1)[flat] = ranked.values[keep]
-        return {
-            "gene_ids": gene_ids,
-            "values": values,
-            "lengths": ranked.output_lengths(self.max_genes),
-        }
+    def __call__(
+        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None
+    ) -> dict[str, np.ndarray]:
+        """Padded rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`)."""
+        width = self.max_genes
+        lengths = ranked.output_lengths(width)
+        gene_ids = _padded(buffers, "gene_ids", lengths, width, np.int64, -1)
+        values = _padded(buffers, "values", lengths, width, np.float32, 0)
+        _fill_rows(gene_ids, ranked.genes, ranked, width, first_col=0)
+        _fill_rows(values, ranked.values, ranked, width, first_col=0)
+        return {"gene_ids": gene_ids, "values": values, "lengths": lengths}
 
 
-def quantile_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
+def quantile_bins(ranked: RankedChunk, n_bins: int, offset: int = 0) -> np.ndarray:
     """scGPT's per-cell binning of every entry: ``np.digitize(x, np.quantile(nz, q))``.
 
     ``nz`` is the cell's non-zero values and ``q = linspace(0, 1, n_bins - 1)``, so bins run
     from 1 to ``n_bins - 1``. This reproduces numpy's linear quantile interpolation exactly,
     for all cells of the chunk at once, using that each cell's values are already sorted.
     (scGPT breaks ties at bin edges at random; we take numpy's left edge, deterministically.)
-    Returns ``int64`` bins aligned with ``ranked.values``.
+    Returns ``int64`` bins aligned with ``ranked.values``, plus ``offset``.
+
+    Only the ``cells x (n_bins - 1)`` edges are computed and located; the entries are touched
+    by one comparison pass (where ties sit) and by the final ``np.repeat`` of each cell's runs
+    of equal bins.
     """
     values, indptr = ranked.values, ranked.indptr
     n = ranked.lengths
@@ -164,24 +191,33 @@ def quantile_bins(ranked: RankedChunk, n_bins: int) -> np.ndarray:
     count, base = n[cells][:, None], start[cells][:, None]
     q = np.linspace(0.0, 1.0, n_bins - 1)
     virtual = (count - 1) * q[None, :]
-    prev = np.minimum(np.floor(virtual).astype(np.int64), count - 1)
+    floor = np.floor(virtual)
+    prev = np.minimum(floor.astype(np.int64), count - 1)
     nxt = np.minimum(prev + 1, count - 1)
     lo_at = base + count - 1 - prev  # descending position of the ascending value [prev]
     lo, hi = values[lo_at], values[base + count - 1 - nxt]
-    edges = _lerp(lo, hi, virtual - np.floor(virtual))
+    edges = _lerp(lo, hi, virtual - floor)
     # covered[j] = how many of the cell's values are >= edge j. Above `lo` the edge lies in
     # (lo, hi], so exactly the values from ascending index nxt up; at `lo` it is every value
     # down to the end of lo's run of ties.
-    run_starts = np.flatnonzero(np.r_[True, values[1:] != values[:-1]])
-    run_starts = np.union1d(run_starts, start[cells])
-    after_run = np.append(run_starts, m)[np.searchsorted(run_starts, lo_at, side="right")]
-    covered = np.where(edges <= lo, after_run - base, count - nxt)
-    # bin of the value at descending index r = #{j : r < covered[j]} = edges - #{covered <= r}
-    hits = np.bincount((base + covered).ravel(), minlength=m + 1)[:m]
-    below = np.cumsum(hits) - np.repeat(
-        np.arange(len(cells), dtype=np.int64) * (n_bins - 1), n[cells]
-    )
-    return (n_bins - 1) - below
+    covered = count - nxt
+    ties = (edges <= lo)[:, ::-1]  # reversed: the positions then ascend through the chunk
+    if ties.any():
+        run_start = np.empty(m, dtype=bool)
+        run_start[0] = True
+        np.not_equal(values[1:], values[:-1], out=run_start[1:])
+        run_start[start[cells]] = True
+        run_starts = np.flatnonzero(run_start)
+        at = lo_at[:, ::-1][ties]
+        after_run = np.append(run_starts, m)[np.searchsorted(run_starts, at, side="right")]
+        covered[:, ::-1][ties] = after_run - np.broadcast_to(base, ties.shape)[ties]
+    # bin of the value at descending index r = #{j : r < covered[j]}: with covered sorted
+    # descending, runs of bins n_bins - 1, ..., 1, 0 ending at covered[-1], ..., covered[0], n.
+    covered = -np.sort(-covered, axis=1)
+    bounds = np.concatenate([np.zeros_like(count), covered[:, ::-1], count], axis=1)
+    runs = np.diff(bounds, axis=1)
+    bins = np.arange(n_bins - 1 + offset, offset - 1, -1, dtype=np.int64)
+    return np.repeat(np.broadcast_to(bins, runs.shape).ravel(), runs.ravel())
 
 
 def _lerp(a: np.ndarray, b: np.ndarray, t: np.ndarray) -> np.ndarray:

@@ -227,8 +227,9 @@ def profile_stages(ds, tokenizer_name: str, args, n_batches: int = 400) -> dict[
 
     Runs :func:`slafload.chain.build_chain`, as the loader does, on this thread with no read
     ahead, so each stage's time is its own: time inside a stage's ``__next__`` minus the time
-    inside its source's. Work that Lance and Polars do on their own threads counts only where
-    the producer waits for it.
+    inside its source's. Work that Lance, Polars and the rank stage's worker (ranking and
+    tokenizing, one piece ahead) do on their own threads counts only where the producer waits
+    for it: under ``rank``.
     """
     config = slafload.LoaderConfig(batch_size=args.batch_size, max_genes=args.max_genes)
     config = dataclasses.replace(config, read_ahead=0)

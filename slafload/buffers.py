@@ -1,0 +1,111 @@
+"""Padded token arrays reused from piece to piece, once the consumer has let go of them.
+
+A padded ``[cells, width]`` output is mostly padding (a geneformer row is 2,048 ``int64`` for
+~800 real tokens). Allocated fresh for every piece, the kernel hands over and zeroes every page
+of it (the largest single cost of the producer in ``perf``, see docs/benchmarks.md). A
+:class:`RowBuffers` keeps a few such arrays and gives one back out only when nothing outside
+it refers to it any more, i.e. every batch viewing it (numpy views, and the tensors that
+``torch.from_numpy`` made of them) has been released. It remembers how far each row was
+written, so reusing an array costs re-padding only the tokens the previous piece wrote past
+the new piece's, instead of the whole array.
+
+Ownership is decided by reference counts: the pool's own reference is the only one left when
+an array is free. An array that is still referenced is never handed out again, so a consumer
+may keep a batch as long as it likes; the pool then allocates a new array (and keeps at most
+``keep`` of each kind).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+_FREE = 2  # references to a pooled array nobody else holds: the entry's and getrefcount's
+_scratch = threading.local()
+
+
+def scratch(name: str, n: int, dtype: type) -> np.ndarray:
+    """An uninitialised 1-D array of ``n`` elements, reused by every call on this thread.
+
+    For temporaries that never leave the function using them (e.g. ranking keys): each
+    fresh multi-megabyte temporary costs its page faults again, since the allocator hands
+    large blocks back to the kernel when they are freed. One array per ``(name, dtype)`` is
+    kept per thread, as large as the largest request, and freed with the thread.
+    """
+    arrays = _scratch.__dict__.setdefault("arrays", {})
+    key = (name, np.dtype(dtype))
+    array = arrays.get(key)
+    if array is None or len(array) < n:
+        array = arrays[key] = np.empty(n, dtype=dtype)
+    return array[:n]
+
+
+@dataclass(eq=False)
+class _Entry:
+    array: np.ndarray  # [rows, width], owns its data
+    ends: np.ndarray  # int64[rows]: columns from here on hold the pad value
+
+
+class RowBuffers:
+    """Reusable padded ``[rows, width]`` arrays, keyed by name, width, dtype and pad value.
+
+    Args:
+        keep: Arrays kept per key; more are allocated (and dropped) when all are in use.
+    """
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self._pools: dict[tuple, list[_Entry]] = {}
+        self._lock = threading.Lock()
+
+    def rows(
+        self, name: str, ends: np.ndarray, width: int, dtype: np.dtype, pad: int | float = 0
+    ) -> np.ndarray:
+        """A ``[len(ends), width]`` array whose row ``i`` holds ``pad`` from column ``ends[i]``.
+
+        Columns before ``ends[i]`` hold leftovers: the caller must write every one of them
+        (``ends`` of ``width`` everywhere: the caller overwrites the whole array).
+        """
+        n = len(ends)
+        key = (name, width, np.dtype(dtype), pad)
+        with self._lock:
+            pool = self._pools.setdefault(key, [])
+            entry = next(
+                (e for e in pool if len(e.array) >= n and sys.getrefcount(e.array) == _FREE), None
+            )
+            if entry is None:
+                array = np.full((n, width), pad, dtype=dtype)
+                if len(pool) >= self.keep:
+                    return array
+                entry = _Entry(array, np.zeros(n, dtype=np.int64))
+                pool.append(entry)
+            out = entry.array[:n]
+            _repad(out, entry.ends[:n], ends, pad)
+            entry.ends[:n] = ends
+            return out
+
+
+def _repad(out: np.ndarray, old: np.ndarray, new: np.ndarray, pad: int | float) -> None:
+    """Write ``pad`` into ``out[i, new[i]:old[i]]`` wherever the previous rows were longer."""
+    flat, width = out.reshape(-1), out.shape[1]
+    stale = np.flatnonzero(old > new)
+    for start, stop in zip((stale * width + new[stale]).tolist(),
+                           (stale * width + old[stale]).tolist(), strict=True):  # fmt: skip
+        flat[start:stop] = pad
+
+
+def copy_runs(
+    dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray,
+    lengths: np.ndarray,
+) -> None:  # fmt: skip
+    """``dst[d : d + n] = src[s : s + n]`` for every ``(d, s, n)`` (1-D arrays, casting).
+
+    A loop of slice copies (memcpy, one numpy call per run): for runs of hundreds of tokens it
+    costs a fifteenth of a scatter through expanded flat indices, which must first build and
+    then read an index per token (measured in docs/benchmarks.md).
+    """
+    for d, s, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True):
+        dst[d : d + n] = src[s : s + n]
