@@ -29,7 +29,6 @@ from slafload.layout import LayOut, TokenStage, make_token_stage
 from slafload.partition import Part
 from slafload.ranking import RankGenes
 from slafload.read import Read, RetryingReader
-from slafload.reader import Reader
 from slafload.stage import Stage
 from slafload.tokenize import Tokenize
 from slafload.types import Batch, ChunkTransform, Tokenizer
@@ -43,7 +42,8 @@ class ChainSpec:
     """What the chain needs besides the parts to read; immutable for a loader's lifetime.
 
     Attributes:
-        dataset: The pinned dataset.
+        dataset: The pinned dataset, or a :class:`~slafload.mixture.Mixture` of several
+            (it provides the same reader, offsets and size).
         tokenizer: Turns ranked pieces into arrays.
         config: Loader settings (read, piece and batch sizes, retries, read-ahead).
         transforms: Chunk transforms run before ranking, in order.
@@ -107,7 +107,7 @@ def build_chain(
     """
     cfg, ds = spec.config, spec.dataset
     reader = RetryingReader(
-        Reader(ds, batch_rows=cfg.read_batch_rows), cfg.retry, uri=ds.uri, sleep=sleep
+        ds.reader(batch_rows=cfg.read_batch_rows), cfg.retry, uri=ds.uri, sleep=sleep
     )
     s: Stage[Any] = observe("read", Read(parts, reader, read_ahead=cfg.read_ahead))
     s = observe("assemble", Assemble(s, ds))
