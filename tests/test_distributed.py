@@ -52,15 +52,12 @@ def test_torchrun_ranks_cover_the_epoch_disjointly_with_equal_batches_and_resume
         assert r["state"]["segments"] == [[2, 24]] and r["state"]["rank"] == r["rank"]
 
 
-MIXTURE_SCRIPT = Path(__file__).parent / "scripts" / "ddp_mixture.py"
-
-
 def test_torchrun_ranks_share_a_mixture_disjointly_with_equal_batches_and_resume(tmp_path):
     a = write_dense(tmp_path / "a.slaf", random_counts(151, 20, seed=3, empty_every=17))
     b = write_dense(tmp_path / "b.slaf", random_counts(97, 20, seed=4))
     out = tmp_path / "out"
     out.mkdir()
-    proc = _torchrun(MIXTURE_SCRIPT, a, b, out)
+    proc = _torchrun(SCRIPT, a, b, out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["names"] for r in ranks] == [["a", "b"], ["a", "b"]]
