@@ -386,6 +386,22 @@ def source_of(offsets: np.ndarray, cells: np.ndarray) -> np.ndarray:
     return np.searchsorted(offsets, cells, side="right") - 1
 
 
+def _by_source(offsets: np.ndarray, cells: np.ndarray, n_sources: int) -> Iterator[tuple[int, Any]]:
+    """``(source, selector)`` for each source among ``cells``; a piece is one source's cells,
+    so that common case costs two scans, not a search per cell."""
+    if not cells.size:
+        return
+    first, last = (
+        min(int(x), n_sources - 1) for x in source_of(offsets, [cells.min(), cells.max()])
+    )
+    if first == last:
+        yield first, slice(None)
+        return
+    src = np.minimum(source_of(offsets, cells), n_sources - 1)
+    for k in range(first, last + 1):
+        yield k, src == k
+
+
 class CellColumn:
     """``int64`` values of global cell ids, looked up in each cell's own source.
 
@@ -399,10 +415,8 @@ class CellColumn:
 
     def __getitem__(self, cells: np.ndarray) -> np.ndarray:
         cells = np.asarray(cells, dtype=np.int64)
-        src = source_of(self.offsets, cells)
         out = np.empty(len(cells), dtype=np.int64)
-        for k in np.unique(src).tolist():
-            mask = src == k
+        for k, mask in _by_source(self.offsets, cells, len(self.parts)):
             local = cells[mask] - self.offsets[k]
             part = self.parts[k]
             out[mask] = local if part is None else part if isinstance(part, int) else part[local]
@@ -422,10 +436,8 @@ class GlobalOffsets:
 
     def __getitem__(self, cells: np.ndarray) -> np.ndarray:
         cells = np.asarray(cells, dtype=np.int64)
-        src = np.minimum(source_of(self.offsets, cells), len(self.starts) - 1)
         out = np.empty(cells.shape, dtype=np.int64)
-        for k in np.unique(src).tolist():
-            mask = src == k
+        for k, mask in _by_source(self.offsets, cells, len(self.starts)):
             out[mask] = self.starts[k][cells[mask] - self.offsets[k]] + self.rows[k]
         return out
 
@@ -451,13 +463,18 @@ class MixedReader:
         offset = int(self.offsets[k])
         local = Fetch(fetch.index, fetch.ranges - offset, fetch.shuffle_seed)
         for batch in self.readers[k].read(local):
-            yield batch if offset == 0 else _shift_cells(batch, offset)
+            yield batch if offset == 0 else _shift_cells(batch, offset, int(self.offsets[-1]))
 
 
-def _shift_cells(batch: pa.RecordBatch, offset: int) -> pa.RecordBatch:
+def _shift_cells(batch: pa.RecordBatch, offset: int, n_cells: int) -> pa.RecordBatch:
+    """``batch`` with ``offset`` added to its cell ids, in their own type where every global
+    id fits (one pass over a 4-byte column), else as ``int64``."""
     i = batch.schema.get_field_index("cell_integer_id")
-    cells = pc.add(batch.column(i).cast(pa.int64()), pa.scalar(offset, pa.int64()))
-    return batch.set_column(i, "cell_integer_id", cells)
+    column = batch.column(i)
+    kind = column.type
+    if not pa.types.is_integer(kind) or n_cells > np.iinfo(kind.to_pandas_dtype()).max:
+        kind, column = pa.int64(), column.cast(pa.int64())
+    return batch.set_column(i, "cell_integer_id", pc.add(column, pa.scalar(offset, kind)))
 
 
 @dataclass(frozen=True, eq=False)
