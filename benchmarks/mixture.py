@@ -118,7 +118,7 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "note": "same process, contenders interleaved round by round, page cache warm; "
         "the machine may be shared and noisy",
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
         "settings": settings,
         "cells_per_s": {name: sorted(r) for name, r in rates.items()},
         "median_cells_per_s": medians,
