@@ -14,10 +14,10 @@ from conftest import random_counts, write_dense
 from resume_conformance import assert_resumes_exactly
 
 from slafload import Loader, Mixture, MixtureError, Source, StateError, VocabularyError
-from slafload.mixture import MISSING, LogNormalize
+from slafload.mixture import MISSING
 from slafload.samplers import BlockShuffle, Streaming
 from slafload.samplers.mixed import quotas
-from slafload.transforms import Vocabulary
+from slafload.transforms import LogNormalize, Vocabulary
 
 SETTINGS = {"batch_size": 16, "max_genes": 12, "chunk_cells": 24, "seed": 3}
 
