@@ -8,6 +8,11 @@ loader's producer thread and copied with ``non_blocking=True``.
     python examples/train_mlm.py                   # train, checkpoint to data/mlm_checkpoint.pt
     python examples/train_mlm.py --steps 400 --resume   # continue where the checkpoint stopped
     python examples/train_mlm.py --layout packed   # no padding: varlen attention per cell
+    python examples/train_mlm.py --mix             # two atlases, different genes, one vocabulary
+
+With ``--mix`` the model trains on a mixture of two synthetic atlases whose gene lists only
+partly overlap (``--data`` and ``--data-b``), mixed by ``--mix-weights`` through the union of
+their genes as one vocabulary (see docs/mixtures.md).
 
 The checkpoint holds the model, the optimizer, the masking RNG and the loader's position
 together, so a resumed run sees exactly the batches and masks an uninterrupted run would.
@@ -21,6 +26,8 @@ import math
 import time
 from pathlib import Path
 
+import lance
+import pyarrow as pa
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -103,6 +110,9 @@ def mask_genes(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", default="data/mlm_atlas.slaf", help="SLAF dataset (made if absent)")
+    p.add_argument("--mix", action="store_true", help="train on a mixture of two atlases")
+    p.add_argument("--data-b", default="data/mlm_atlas_b.slaf", help="--mix: the second atlas")
+    p.add_argument("--mix-weights", default="1,1", help="--mix: weights of the two atlases")
     p.add_argument("--checkpoint", default="data/mlm_checkpoint.pt")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--metrics", default=None, help="append one JSON line per logged step")
@@ -132,24 +142,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def write_atlas(path: str, args: argparse.Namespace, *, seed: int, gene_shift: int = 0) -> None:
+    """A synthetic atlas; ``gene_shift`` renames its genes so atlases share only some."""
+    if Path(path).exists():
+        return
+    print(f"writing a synthetic atlas to {path} ...", flush=True)
+    slafload.synthetic.write_atlas(
+        path, n_cells=args.n_cells, n_genes=args.n_genes, mean_nnz=args.mean_nnz,
+        n_plates=min(14, args.n_cells), seed=seed,
+    )  # fmt: skip
+    if gene_shift:
+        names = [f"GENE{g + gene_shift:06d}" for g in range(1, args.n_genes + 1)]
+        ids = pa.array(range(args.n_genes), pa.uint16() if args.n_genes < 65536 else pa.uint32())
+        genes = pa.table({"gene_id": names, "gene_integer_id": ids})
+        lance.write_dataset(genes, f"{path}/genes.lance", mode="overwrite")
+
+
+def open_data(args: argparse.Namespace) -> tuple[slafload.SlafDataset | slafload.Mixture, int]:
+    """The dataset (or, with ``--mix``, the mixture) to train on, and its gene-id count."""
+    write_atlas(args.data, args, seed=args.seed)
+    if not args.mix:
+        ds = slafload.open_dataset(args.data)
+        return ds, ds.n_genes
+    write_atlas(args.data_b, args, seed=args.seed + 1, gene_shift=args.n_genes // 2)
+    weights = [float(w) for w in args.mix_weights.split(",")]
+    mixture = slafload.Mixture([args.data, args.data_b], weights=weights, vocabulary="union")
+    return mixture, mixture.vocab_size
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    if not Path(args.data).exists():
-        print(f"writing a synthetic atlas to {args.data} ...", flush=True)
-        slafload.synthetic.write_atlas(
-            args.data, n_cells=args.n_cells, n_genes=args.n_genes, mean_nnz=args.mean_nnz,
-            n_plates=min(14, args.n_cells), seed=args.seed,
-        )  # fmt: skip
-    ds = slafload.open_dataset(args.data)
+    ds, n_genes = open_data(args)
     loader = slafload.Loader(
         ds, tokenizer="geneformer", max_genes=args.max_genes, batch_size=args.batch_size,
         chunk_cells=args.chunk_cells, seed=args.seed, n_epochs=None, drop_last=True,
         device=device if cuda else None, pin_memory=cuda, layout=args.layout,
     )  # fmt: skip
-    vocab = ds.n_genes + GENE_OFFSET
+    vocab = n_genes + GENE_OFFSET
     model = MaskedGeneModel(
         vocab=vocab, max_len=args.max_genes, d_model=args.d_model, heads=args.heads,
         layers=args.layers,
@@ -184,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
 
     metrics = open(args.metrics, "a") if args.metrics else None  # noqa: SIM115
     started, cells, window = time.perf_counter(), 0, []
+    source_cells = [0] * len(loader.source_names or [None])
     with loader:
         batches = iter(loader)
         while step < args.steps:
@@ -206,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
             optimizer.step()
             step += 1
             cells += n_cells
+            if "source" in batch:
+                counts = torch.bincount(batch["source"].cpu(), minlength=len(source_cells))
+                source_cells = [a + b for a, b in zip(source_cells, counts.tolist(), strict=True)]
             window.append(loss.item())
             if step % args.log_every == 0 or step == args.steps:
                 mean = sum(window) / len(window)
@@ -213,7 +249,12 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"step {step:5d}  loss {mean:.4f}  (ln V = {math.log(vocab):.2f})  "
                       f"{rate:,.0f} cells/s", flush=True)  # fmt: skip
                 if metrics:
-                    metrics.write(json.dumps({"step": step, "loss": mean}) + "\n")
+                    line = {"step": step, "loss": mean}
+                    if loader.source_names:
+                        line["source_cells"] = dict(
+                            zip(loader.source_names, source_cells, strict=True)
+                        )
+                    metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
                 window = []
             if step % args.save_every == 0 or step == args.steps:

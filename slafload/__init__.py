@@ -23,12 +23,14 @@ from slafload.errors import (
     LoaderError,
     MediansError,
     MissingTableError,
+    MixtureError,
     ReadError,
     SchemaError,
     SlafloadError,
     StateError,
     VocabularyError,
 )
+from slafload.mixture import Mixture, Source
 from slafload.tokenizers import Geneformer, Raw, ScGPT, Tokenizer, available_tokenizers
 from slafload.tools.convert import convert
 
@@ -60,6 +62,8 @@ __all__ = [
     "LoaderError",
     "MediansError",
     "MissingTableError",
+    "Mixture",
+    "MixtureError",
     "Raw",
     "ReadError",
     "RetryPolicy",
@@ -68,6 +72,7 @@ __all__ = [
     "SlafDataset",
     "SlafIterableDataset",
     "SlafloadError",
+    "Source",
     "StateError",
     "Tokenizer",
     "VocabularyError",

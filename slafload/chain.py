@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from slafload import budget
 from slafload.batcher import Batches, ToTorch
 from slafload.chunk import Assemble, Shuffle, Split, Transform
 from slafload.config import LoaderConfig
@@ -31,7 +30,7 @@ from slafload.layout import LayOut, TokenStage, make_token_stage
 from slafload.partition import Part
 from slafload.ranking import RankGenes
 from slafload.read import Read, RetryingReader
-from slafload.reader import COLUMNS, Reader
+from slafload.reader import COLUMNS
 from slafload.stage import Stage
 from slafload.tokenize import Tokenize
 from slafload.types import Batch, ChunkTransform, Tokenizer
@@ -45,7 +44,8 @@ class ChainSpec:
     """What the chain needs besides the parts to read; immutable for a loader's lifetime.
 
     Attributes:
-        dataset: The pinned dataset.
+        dataset: The pinned dataset, or a :class:`~slafload.mixture.Mixture` of several
+            (it provides the same reader, offsets and size).
         tokenizer: Turns ranked pieces into arrays.
         config: Loader settings (read, piece and batch sizes, retries, read-ahead).
         transforms: Chunk transforms run before ranking, in order.
@@ -108,7 +108,7 @@ def build_chain(
         observe: Called with each stage's name as it is built; returns the stage to use.
     """
     cfg, ds = spec.config, spec.dataset
-    lance_reader = Reader(ds, batch_rows=cfg.read_batch_rows, direct=cfg.read_data_files)
+    lance_reader = ds.reader(batch_rows=cfg.read_batch_rows, direct=cfg.read_data_files)
     reader = RetryingReader(lance_reader, cfg.retry, uri=ds.uri, sleep=sleep)
     # The run's first part is read as its first few output cells, then the rest: the first
     # batch waits for a handful of cells, not a whole fetch (same cells, same order).
@@ -117,7 +117,7 @@ def build_chain(
         parts,
         reader,
         ds.cell_start,
-        row_bytes=budget.row_bytes(ds.expression.schema, COLUMNS),
+        row_bytes=ds.row_bytes(COLUMNS),
         read_ahead=cfg.read_ahead,
         memory_budget=cfg.memory_budget,
     )

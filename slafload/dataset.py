@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lance
 import numpy as np
@@ -34,6 +34,9 @@ from slafload.errors import (
     MissingTableError,
     SchemaError,
 )
+
+if TYPE_CHECKING:
+    from slafload.reader import Reader
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +128,18 @@ class SlafDataset:
             categories, pl.int_range(len(categories), eager=True), return_dtype=pl.Int64
         )
         return codes.to_numpy(), categories.to_list()
+
+    def reader(self, *, batch_rows: int = 1 << 20, direct: bool = True) -> Reader:
+        """The Lance reader of this dataset's fetches (a mixture brings one per source)."""
+        from slafload.reader import Reader
+
+        return Reader(self, batch_rows=batch_rows, direct=direct)
+
+    def row_bytes(self, columns: list[str]) -> int:
+        """Bytes of one expression row of ``columns``, as the memory budget counts them."""
+        from slafload.budget import row_bytes
+
+        return row_bytes(self.expression.schema, columns)
 
     def var(self, columns: list[str] | None = None) -> pl.DataFrame:
         """Gene metadata (the ``genes`` table) in gene-id order."""

@@ -154,8 +154,14 @@ _V1_FORMATS = ("slafload.loader.v1", "slafload.torch_dataset.v1")
 
 
 def cell_order(sampler: Sampler, seed: int, n_cells: int) -> dict[str, Any]:
-    """The settings that decide which cells come in which order."""
-    return {"sampler": repr(sampler), "seed": seed, "n_cells": n_cells}
+    """The settings that decide which cells come in which order.
+
+    A sampler with an ``order_settings()`` method (a mixture's: its sources and weights) adds
+    them by name, so a refused state names what changed.
+    """
+    extra = getattr(sampler, "order_settings", None)
+    order = {"sampler": repr(sampler), "seed": seed, "n_cells": n_cells}
+    return order if extra is None else {**order, **extra()}
 
 
 def fingerprint(order: Mapping[str, Any]) -> str:
@@ -226,24 +232,42 @@ def upgrade(state: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def read_state(state: Mapping[str, Any], run: Run) -> Position:
+def read_state(state: Mapping[str, Any], run: Run, *, replan: bool = False) -> Position:
     """The position ``state`` resumes ``run`` at (on this run's number of ranks).
 
-    ``run`` must already be pinned to the state's Lance versions (:func:`repin`).
+    ``run`` must already be pinned to the state's Lance versions (:func:`repin`). With
+    ``replan``, a state that orders cells differently (e.g. a mixture with a source added or a
+    weight changed) is accepted: the run starts the next epoch not yet begun under its own
+    plan, and the rest of a partly consumed epoch is left out.
 
     Raises:
-        StateError: ``state`` orders cells differently (sampler, seed, dataset size).
+        StateError: ``state`` orders cells differently (sampler, seed, dataset size, a
+            mixture's sources or weights) and ``replan`` is false.
     """
     cfg, ds = run.spec.config, run.spec.dataset
     ours = cell_order(run.sampler, cfg.seed, ds.n_cells)
     if state.get(FINGERPRINT) != fingerprint(ours):
         theirs = state.get(ORDER) or {}
-        differ = {k: (theirs.get(k), v) for k, v in ours.items() if theirs.get(k) != v}
-        raise StateError(
-            "this loader would deliver cells in a different order than the one that wrote "
-            f"the state; differing settings (checkpoint, loader): {differ}. Construct the "
-            "loader with the checkpoint's sampler and seed."
+        keys = dict.fromkeys([*ours, *theirs])
+        differ = {k: (theirs.get(k), ours.get(k)) for k in keys if theirs.get(k) != ours.get(k)}
+        if not replan:
+            raise StateError(
+                "this loader would deliver cells in a different order than the one that "
+                f"wrote the state; differing settings (checkpoint, loader): {differ}. "
+                "Construct the loader with the checkpoint's settings (sampler, seed, a "
+                "mixture's sources and weights), or load the state with replan=True to start "
+                "the next epoch under this loader's plan."
+            )
+        started = any(int(cells) for _, cells in state[SEGMENTS])
+        epoch = int(state[EPOCH]) + started
+        logger.warning(
+            "re-planning: the state's cell order differs (%s); continuing at the start of "
+            "epoch %d%s",
+            differ,
+            epoch,
+            f", leaving out the rest of epoch {epoch - 1}" if started else "",
         )
+        return Position(epoch)
     segments = [Segment(int(w), int(c)) for w, c in state[SEGMENTS]]
     last = segments[-1]
     if last.world_size == run.world_size:
@@ -261,6 +285,9 @@ def repin(dataset: SlafDataset, versions: Mapping[str, int]) -> SlafDataset:
     versions = dict(versions)
     if versions == dataset.versions:
         return dataset
+    own = getattr(dataset, "repin", None)  # a mixture re-pins each of its sources
+    if own is not None:
+        return own(versions)
     logger.info("re-pinning %s to the checkpoint's versions %s", dataset.uri, versions)
     try:
         return open_dataset(dataset.uri, version=versions, storage_options=dataset.storage_options)

@@ -39,6 +39,10 @@ class VocabularyError(SlafloadError, ValueError):
     """A vocabulary file is malformed, or a dataset's genes do not fit a vocabulary."""
 
 
+class MixtureError(SlafloadError, ValueError):
+    """A mixture of datasets is misconfigured (sources, weights, value types)."""
+
+
 class MediansError(SlafloadError, ValueError):
     """A medians file is malformed, or medians do not fit the dataset they are used with."""
 

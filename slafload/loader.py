@@ -23,15 +23,17 @@ import torch
 from slafload import epochs
 from slafload.chain import ChainSpec
 from slafload.config import LoaderConfig
-from slafload.dataset import SlafDataset, open_dataset
+from slafload.dataset import SlafDataset
 from slafload.distributed import resolve_rank
 from slafload.epochs import Delivery, Position, Run
-from slafload.errors import LayoutError, StateError
+from slafload.errors import LayoutError, MixtureError, StateError
+from slafload.mixture import Mixture, open_source
 from slafload.prefetcher import Prefetcher
 from slafload.presets import PRESET_NAMES, Preset, make_preset
 from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
 from slafload.tokenizers import make_tokenizer
 from slafload.torch_data import SlafIterableDataset
+from slafload.transforms.vocab import Vocabulary
 from slafload.types import Batch, ChunkTransform, Sampler, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,13 @@ class Loader:
     """Streams tokenized cells from a SLAF dataset as dicts of torch tensors.
 
     Args:
-        dataset: An opened :class:`SlafDataset`, or a path/URI to open.
+        dataset: An opened :class:`SlafDataset`, or a path/URI to open; or several, as a
+            list or a :class:`~slafload.mixture.Mixture`, streamed as one mixed stream (see
+            docs/mixtures.md): batches then carry ``source`` codes (names in
+            :attr:`source_names`) and ``cell_integer_id`` within each source.
+        weights: With a list of datasets: one positive weight per dataset (default: sizes).
+        vocabulary: With a list of datasets: the shared gene
+            :class:`~slafload.transforms.vocab.Vocabulary`, or ``"union"``.
         tokenizer: ``"geneformer"``, ``"scgpt"``, ``"raw"``, a plugin name, or an instance;
             or a published model's preset (:mod:`slafload.presets`): a :class:`Preset`, or
             ``"geneformer-v2"``, ``"geneformer-v1"``, ``"scgpt-reference"`` built from
@@ -69,8 +77,10 @@ class Loader:
 
     def __init__(
         self,
-        dataset: SlafDataset | str | os.PathLike[str],
+        dataset: SlafDataset | Mixture | str | os.PathLike[str] | Sequence[Any],
         *,
+        weights: Sequence[float] | None = None,
+        vocabulary: Vocabulary | str | None = None,
         tokenizer: str | Tokenizer = "geneformer",
         tokenizer_options: Mapping[str, Any] | None = None,
         sampler: Sampler | None = None,
@@ -89,8 +99,16 @@ class Loader:
                 f"{sorted(LoaderConfig.__dataclass_fields__)}"
             )
         self.config = LoaderConfig(**settings)
-        self.dataset = dataset if isinstance(dataset, SlafDataset) else open_dataset(dataset)
-        if isinstance(tokenizer, str) and tokenizer in PRESET_NAMES:
+        self.dataset = open_source(dataset, weights=weights, vocabulary=vocabulary)
+        mixture = isinstance(self.dataset, Mixture)
+        named_preset = isinstance(tokenizer, str) and tokenizer in PRESET_NAMES
+        if mixture and (isinstance(tokenizer, Preset) or named_preset):
+            raise MixtureError(
+                "a model preset builds its token dictionary from one dataset; for a mixture "
+                "give a tokenizer (e.g. 'geneformer') and the shared vocabulary, or load each "
+                "dataset with the preset on its own"
+            )
+        if named_preset:
             preset_options = {"seed": self.config.seed, **(tokenizer_options or {})}
             tokenizer = make_preset(tokenizer, self.dataset, **preset_options)
             tokenizer_options = None
@@ -123,15 +141,17 @@ class Loader:
                 "pin_memory=True needs a CUDA device, and none is available; "
                 "leave pin_memory unset or False on CPU-only machines"
             )
-        reserved = {"cell_integer_id"} & set(obs_columns)
+        reserved = {"cell_integer_id", *(["source"] if mixture else [])} & set(obs_columns)
         if reserved:
             raise ValueError(
                 f"obs_columns may not include {sorted(reserved)}: every batch "
-                "already carries cell_integer_id"
+                "already carries cell_integer_id (and a mixture's, source)"
             )
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self._transforms = tuple(transforms)
         self._obs_columns = tuple(obs_columns)
+        if mixture:
+            self.dataset.check_values(self.tokenizer, self._transforms)
         self._build_run()
         self._position = Position()
         self._active: _LoaderIterator | None = None
@@ -139,15 +159,22 @@ class Loader:
     def _build_run(self) -> None:
         codes = {name: self.dataset.obs_codes(name) for name in self._obs_columns}
         self.obs_categories = {name: cats for name, (_, cats) in codes.items()}
+        obs = {name: c for name, (c, _) in codes.items()}
+        transforms, sampler = self._transforms, self.sampler
+        if isinstance(self.dataset, Mixture):  # per-source samplers, remaps and columns
+            batch_size = self.config.batch_size
+            sampler = self.dataset.sampler(sampler, lambda s: bind_batch_size(s, batch_size))
+            transforms = (self.dataset.transform, *transforms)
+            obs.update(self.dataset.cell_columns())
         spec = ChainSpec(
             self.dataset,
             self.tokenizer,
             self.config,
-            transforms=self._transforms,
-            obs={name: c for name, (c, _) in codes.items()},
+            transforms=transforms,
+            obs=obs,
             pin_memory=self.pin_memory,
         )
-        self._run = Run(spec, self.sampler, rank=self.rank, world_size=self.world_size)
+        self._run = Run(spec, sampler, rank=self.rank, world_size=self.world_size)
         spec.tokens  # noqa: B018  (checks the tokenizer fits layout/tokenize_on now)
 
     # -- iteration -------------------------------------------------------------------------
@@ -160,6 +187,11 @@ class Loader:
     def __len__(self) -> int:
         """Batches this rank yields in one full epoch (the same on every rank)."""
         return self._run.batches_in_epoch(self._position.epoch)
+
+    @property
+    def source_names(self) -> tuple[str, ...] | None:
+        """A mixture's source names, indexed by the batches' ``source`` codes; else ``None``."""
+        return self.dataset.source_names if isinstance(self.dataset, Mixture) else None
 
     @property
     def position(self) -> Position:
@@ -177,15 +209,18 @@ class Loader:
         """
         return epochs.make_state(self._run, self._position)
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, replan: bool = False) -> None:
         """Continue from ``state`` (possibly taken on another number of ranks).
 
         The dataset is re-pinned to the Lance versions recorded in the state. Nothing changes
-        if the state is refused.
+        if the state is refused. ``replan=True`` accepts a state taken with settings that
+        order cells differently (a mixture's added source or changed weight): the loader
+        then starts the next epoch not yet begun, under its own plan.
 
         Raises:
             StateError: the state is malformed, is a DataLoader worker's, or was taken with
-                settings that change the order of cells (sampler, seed, dataset size).
+                settings that change the order of cells (sampler, seed, dataset size, a
+                mixture's sources or weights) and ``replan`` is false.
         """
         state = epochs.upgrade(state)
         if state[epochs.N_WORKERS] != 1:
@@ -198,7 +233,7 @@ class Loader:
         self.dataset = dataset
         self._build_run()
         try:
-            position = epochs.read_state(state, self._run)
+            position = epochs.read_state(state, self._run, replan=replan)
         except StateError:
             self.dataset, self._run, self.obs_categories = previous
             raise
@@ -212,6 +247,11 @@ class Loader:
             LayoutError: the loader tokenizes on the device (``tokenize_on="device"``), which
                 only the training process can do; DataLoader workers are other processes.
         """
+        if isinstance(self.dataset, Mixture):
+            raise MixtureError(
+                "as_torch_dataset() reopens one dataset in each DataLoader worker and does not "
+                "support mixtures yet; iterate the Loader itself"
+            )
         if self.config.tokenize_on == "device":
             raise LayoutError(
                 "tokenize_on='device' tokenizes on the training thread's device, which "

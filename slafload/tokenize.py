@@ -24,7 +24,10 @@ class Tokenize(Stage[Arrays]):
     Args:
         source: Pieces whose token work was started (:class:`~slafload.ranking.RankGenes`).
         tokens: The token stage that started them; it completes them here.
-        obs: Obs column name to ``int64`` code per cell id, added to every batch.
+        obs: Obs column name to ``int64`` code per cell id, added to every batch: an array,
+            or anything indexable by an ``int64`` array of cell ids (a mixture's lookups).
+            They are written after ``cell_integer_id``, so a mixture's ``cell_integer_id``
+            column replaces its global cell ids by ids within each source.
     """
 
     def __init__(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-import slafload.chain
+import slafload.reader
 from slafload import Loader, budget, open_dataset
 from slafload.chain import ChainSpec, build_chain
 from slafload.chunk import Assemble, Shuffle, Split, Transform
@@ -112,7 +112,7 @@ def test_a_failed_read_ahead_is_retried_when_its_turn_comes(small_slaf, monkeypa
                 raise OSError("injected fault while reading ahead")
             yield from super().read(fetch)
 
-    monkeypatch.setattr(slafload.chain, "Reader", FailsOnce)
+    monkeypatch.setattr(slafload.reader, "Reader", FailsOnce)
     with Loader(small_slaf, batch_size=16, chunk_cells=32, shuffle=False) as loader:
         ids = np.concatenate([b["cell_integer_id"].numpy() for b in loader])
     np.testing.assert_array_equal(ids, np.arange(300))

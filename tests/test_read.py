@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import slafload.chain
+import slafload.reader
 from slafload import Loader, ReadError, open_dataset
 from slafload.config import LoaderConfig, RetryPolicy
 from slafload.read import RetryingReader
@@ -51,7 +51,7 @@ def test_transient_failures_are_retried_and_every_cell_arrives_exactly_once(
     small_slaf, monkeypatch, after_batches
 ):
     flaky = flaky_reader({0: 3, 2: 1, 4: 2}, after_batches=after_batches)
-    monkeypatch.setattr(slafload.chain, "Reader", flaky)
+    monkeypatch.setattr(slafload.reader, "Reader", flaky)
     with Loader(
         small_slaf, batch_size=16, chunk_cells=32, read_batch_rows=8, retry=FAST, seed=3
     ) as loader:
@@ -64,7 +64,7 @@ def test_transient_failures_are_retried_and_every_cell_arrives_exactly_once(
 def test_retried_tokens_equal_a_clean_run(small_slaf, monkeypatch):
     with Loader(small_slaf, batch_size=16, chunk_cells=32, seed=5) as loader:
         clean = [b["input_ids"] for b in loader]
-    monkeypatch.setattr(slafload.chain, "Reader", flaky_reader({1: 2}, after_batches=1))
+    monkeypatch.setattr(slafload.reader, "Reader", flaky_reader({1: 2}, after_batches=1))
     with Loader(
         small_slaf, batch_size=16, chunk_cells=32, seed=5, read_batch_rows=8, retry=FAST
     ) as loader:
@@ -76,7 +76,7 @@ def test_retried_tokens_equal_a_clean_run(small_slaf, monkeypatch):
 def test_a_permanent_failure_reaches_the_consumer_with_context_and_the_thread_ends(
     small_slaf, monkeypatch
 ):
-    monkeypatch.setattr(slafload.chain, "Reader", flaky_reader({2: 99}))
+    monkeypatch.setattr(slafload.reader, "Reader", flaky_reader({2: 99}))
     loader = Loader(small_slaf, batch_size=16, chunk_cells=32, shuffle=False, retry=FAST)
     got = []
     with pytest.raises(ReadError) as info:

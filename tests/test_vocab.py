@@ -102,3 +102,22 @@ def test_unknown_genes_are_dropped_mapped_to_unk_or_refused(tmp_path):
     assert (unk == 24).any()
     with pytest.raises(VocabularyError, match="10 of 30 genes"):
         vocab.remap(open_dataset(path), unknown="error")
+
+
+def test_a_remap_that_keeps_gene_order_skips_the_sort_with_the_same_result():
+    from slafload.transforms.vocab import GeneRemap
+    from slafload.types import Chunk
+
+    rng = np.random.default_rng(0)
+    indptr = np.array([0, 3, 3, 7])
+    genes = np.array([0, 2, 5, 1, 2, 3, 6])
+    chunk = Chunk(0, np.arange(3), indptr, genes, rng.random(7), np.arange(3))
+    mapping = np.array([1, 4, -1, 7, 8, 9, 12])  # ascending where kept: order kept
+    fast = GeneRemap(mapping)
+    slow = GeneRemap(mapping)
+    slow.__dict__["keeps_order"] = False
+    assert fast.keeps_order and not GeneRemap(mapping[::-1]).keeps_order
+    a, b = fast(chunk), slow(chunk)
+    for key in ("indptr", "genes", "values"):
+        np.testing.assert_array_equal(getattr(a, key), getattr(b, key))
+    assert a.genes.tolist() == [1, 9, 4, 7, 12] and a.indptr.tolist() == [0, 2, 2, 5]

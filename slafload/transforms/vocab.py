@@ -219,6 +219,13 @@ class GeneRemap:
     def __post_init__(self) -> None:
         object.__setattr__(self, "mapping", np.asarray(self.mapping, dtype=np.int64))
 
+    @cached_property
+    def keeps_order(self) -> bool:
+        """Whether the kept genes' vocabulary ids ascend with their dataset ids (e.g. a union
+        vocabulary built from this dataset): then no cell needs re-sorting."""
+        kept = self.mapping[self.mapping >= 0]
+        return bool((np.diff(kept) > 0).all())
+
     def __call__(self, chunk: Chunk) -> Chunk:
         if len(chunk.genes) and int(chunk.genes.max()) >= len(self.mapping):
             raise VocabularyError(
@@ -230,6 +237,8 @@ class GeneRemap:
         if not known.all():
             genes, values = genes[known], values[known]
             indptr = np.concatenate([[0], np.cumsum(known, dtype=np.int64)])[indptr]
+        if self.keeps_order:
+            return dataclasses.replace(chunk, indptr=indptr, genes=genes, values=values)
         # Cell-major, then vocabulary id: one int64 key sorts every cell's rows at once.
         cell = np.repeat(np.arange(chunk.n_cells, dtype=np.int64), np.diff(indptr))
         order = np.argsort(cell * (int(self.mapping.max()) + 1) + genes, kind="stable")
