@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from slafload import synthetic
+from slafload.tools import synthetic
 from slafload.tools.synthetic import write_atlas
 
 N_CELLS, N_GENES, N_PLATES = 600, 2000, 3
