@@ -64,10 +64,12 @@ class SlafDataset:
 
     @property
     def n_cells(self) -> int:
+        """Number of cells (rows of the ``cells`` table)."""
         return len(self.cell_start) - 1
 
     @property
     def n_genes(self) -> int:
+        """Number of genes (rows of the ``genes`` table)."""
         return self.genes.count_rows()
 
     @property
@@ -86,10 +88,12 @@ class SlafDataset:
 
     @property
     def value_type(self) -> pa.DataType:
+        """Arrow type of the expression table's ``value`` column."""
         return self.expression.schema.field("value").type
 
     @property
     def gene_type(self) -> pa.DataType:
+        """Arrow type of the expression table's ``gene_integer_id`` column."""
         return self.expression.schema.field("gene_integer_id").type
 
     def obs(self, columns: list[str] | None = None) -> pl.DataFrame:

@@ -41,6 +41,7 @@ class Ready:
     piece: Chunk
 
     def discard(self) -> None:
+        """Nothing to release: no work was started."""
         pass
 
 
@@ -92,6 +93,7 @@ class DeviceTokens:
         object.__setattr__(self, "spec", _Spec.of(self.tokenizer))
 
     def start(self, piece: Chunk) -> Ready:
+        """Hand the piece on untouched; ranking happens on the device."""
         return Ready(piece)
 
     def rows(self, pending: Ready) -> tuple[Arrays, np.ndarray]:
@@ -238,7 +240,8 @@ def quantile_bins(
 ) -> torch.Tensor:
     """scGPT's per-cell quantile bin of every ranked entry, as
     :func:`slafload.tokenizers.quantile_bins` computes it (numpy's linear quantiles and
-    ``digitize``), with the same floating-point operations in the same order."""
+    ``digitize``), with the same floating-point operations in the same order.
+    """
     dev, m, n_cells = values.device, len(values), len(indptr) - 1
     if m == 0:
         return torch.zeros(0, dtype=torch.int64, device=dev)

@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Position:
     """Where the consumer is in ``epoch``: it holds the first ``cells`` cells of its rank's
-    share in the current segment, after the completed (elastic-resume) ``history``."""
+    share in the current segment, after the completed (elastic-resume) ``history``.
+    """
 
     epoch: int = 0
     cells: int = 0

@@ -49,7 +49,8 @@ Arrays = dict[str, Any]  # row-aligned numpy arrays, and at most one Ragged unde
 class Pending(Protocol):
     """Work started on a piece: :meth:`discard` must be called if it is never collected."""
 
-    def discard(self) -> None: ...
+    def discard(self) -> None:
+        """Release the work if it will never be collected."""
 
 
 class Layout(Protocol):
@@ -59,9 +60,11 @@ class Layout(Protocol):
     ragged: bool  # whether pieces are tokenized straight into Ragged rows
     token_dtype: np.dtype
 
-    def piece(self, arrays: Arrays) -> Arrays: ...
+    def piece(self, arrays: Arrays) -> Arrays:
+        """Prepare a whole piece's rows before it is cut into batches."""
 
-    def finish(self, batch: Arrays) -> dict[str, np.ndarray]: ...
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as the layout's output arrays."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ class Padded(_Layout):
     ragged = False
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """The batch's padded rows, as they are."""
         return dict(batch)
 
 
@@ -90,6 +94,7 @@ class Longest(_Layout):
     ragged = True
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """The batch's rows padded to its longest cell."""
         cells, rows = _split(batch)
         lengths = rows.lengths
         width = int(lengths.max()) if len(lengths) else 0
@@ -106,6 +111,7 @@ class Packed(_Layout):
     ragged = True
 
     def piece(self, arrays: Arrays) -> Arrays:
+        """Add within-cell ``position_ids`` to the piece's token streams."""
         # Positions count within a cell, so a piece's stream sliced at cell boundaries is each
         # batch's: one pass per piece instead of one numpy call chain per batch.
         rows = arrays[RAGGED_KEY]
@@ -114,6 +120,7 @@ class Packed(_Layout):
         return {**arrays, RAGGED_KEY: Ragged(rows.offsets, streams, pads, rows.masked)}
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """The batch's token streams back to back, with ``cu_seqlens`` offsets."""
         cells, rows = _split(batch)
         return {**rows.streams, "cu_seqlens": rows.offsets.astype(np.int32), **cells}
 
@@ -143,15 +150,19 @@ def _split(batch: Arrays) -> tuple[dict[str, np.ndarray], Ragged]:
 class TokenStage(Protocol):
     """The producer's tokenizing steps and the consumer's last step (see the module doc)."""
 
-    def start(self, piece: Chunk) -> Pending: ...
+    def start(self, piece: Chunk) -> Pending:
+        """Start the work on a piece (ranking may run in the background)."""
 
-    def rows(self, pending: Any) -> tuple[Arrays, np.ndarray]: ...
+    def rows(self, pending: Any) -> tuple[Arrays, np.ndarray]:
+        """Collect started work: the token rows and their output cell ids."""
 
-    def finish(self, batch: Arrays) -> dict[str, np.ndarray]: ...
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as its output numpy arrays."""
 
     def consume(
         self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
-    ) -> dict[str, torch.Tensor]: ...
+    ) -> dict[str, torch.Tensor]:
+        """The consumer's last step: the batch's tensors, on ``device``."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,9 +173,11 @@ class HostTokens:
     layout: Layout
 
     def start(self, piece: Chunk) -> PendingRank:
+        """Start ranking the piece on Polars' threads."""
         return start_rank(piece)
 
     def rows(self, pending: PendingRank) -> tuple[Arrays, np.ndarray]:
+        """Wait for the ranking and tokenize it with numpy."""
         ranked = pending.result()
         dtype = self.layout.token_dtype
         if self.layout.ragged:
@@ -176,11 +189,13 @@ class HostTokens:
         return arrays, ranked.output_cell_ids
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as the layout's output arrays."""
         return self.layout.finish(batch)
 
     def consume(
         self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
     ) -> dict[str, torch.Tensor]:
+        """Move the batch's tensors to ``device`` (no copy on the CPU)."""
         if device is None or device.type == "cpu":
             return dict(batch)
         return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}

@@ -46,6 +46,7 @@ class Ragged:
 
     @property
     def lengths(self) -> np.ndarray:
+        """Number of entries of each row."""
         return np.diff(self.offsets)
 
     def __getitem__(self, rows: slice) -> Ragged:

@@ -53,6 +53,7 @@ class PendingRank:
             self._query = None
 
     def result(self) -> RankedChunk:
+        """Wait for the ranking and return it."""
         genes, values = self._genes, self._values
         if self._query is not None:
             ranked, self._query = self._query.fetch_blocking(), None

@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 class FetchReader(Protocol):
     """Anything that turns a fetch into record batches (:class:`~slafload.reader.Reader`)."""
 
-    def read(self, fetch: Fetch) -> Iterable[pa.RecordBatch]: ...
+    def read(self, fetch: Fetch) -> Iterable[pa.RecordBatch]:
+        """The record batches holding exactly the expression rows of ``fetch``."""
 
 
 class RetryingReader:

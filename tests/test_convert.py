@@ -158,9 +158,7 @@ def test_layer_and_raw_choose_the_matrix(tmp_path, counts):
 def test_several_inputs_concatenate_with_a_source_column(tmp_path, counts):
     first = write_h5ad(tmp_path / "one.h5ad", make_adata(counts[:40], prefix="a"))
     second = write_h5ad(tmp_path / "two.h5ad", make_adata(counts[40:], "dense", prefix="b"))
-    ds = open_dataset(
-        slafload.convert([first, second], tmp_path / "both.slaf", chunk_cells=16)
-    )
+    ds = open_dataset(slafload.convert([first, second], tmp_path / "both.slaf", chunk_cells=16))
     obs = ds.obs()
     assert obs["source"].to_list() == ["one"] * 40 + ["two"] * 50
     assert obs["cell_id"].to_list()[39:41] == ["a39", "b0"]

@@ -120,6 +120,7 @@ class Weighted(MinibatchFetches):
         return cls(table[codes], **options)
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The epoch's fetches (see :class:`~slafload.samplers.base.Sampler`)."""
         if n_cells != len(self.weights):
             raise ValueError(
                 f"weights has {len(self.weights)} entries but the dataset has {n_cells} cells; "
@@ -195,4 +196,5 @@ class ClassBalanced(MinibatchFetches):
         return cls(codes, **options)
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The epoch's fetches (see :class:`~slafload.samplers.base.Sampler`)."""
         return self._weighted.plan(n_cells, seed=seed, epoch=epoch)

@@ -76,6 +76,7 @@ class Geneformer:
         self.max_genes = max_genes
 
     def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        """Token rows for every cell of the ranked chunk."""
         width = self.max_genes
         ids = np.zeros((ranked.n_cells, width), dtype=np.int64)
         ids[:, 0] = CLS
@@ -109,6 +110,7 @@ class ScGPT:
         return quantile_bins(ranked, self.n_bins)
 
     def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        """Token rows and binned values for every cell of the ranked chunk."""
         width = self.max_genes + 2
         ids = np.zeros((ranked.n_cells, width), dtype=np.int64)
         values = np.zeros((ranked.n_cells, width), dtype=np.int64)
@@ -131,6 +133,7 @@ class Raw:
         self.max_genes = max_genes
 
     def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        """Gene ids and raw values of every cell, ``-1``/``0``-padded."""
         gene_ids = np.full((ranked.n_cells, self.max_genes), -1, dtype=np.int64)
         values = np.zeros((ranked.n_cells, self.max_genes), dtype=np.float32)
         flat, keep = _destinations(ranked, self.max_genes, self.max_genes, first_col=0)

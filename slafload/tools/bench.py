@@ -84,6 +84,7 @@ class PeakRss:
 
 
 def progress(iterable, **kwargs):
+    """``iterable`` with a tqdm progress bar when tqdm is installed."""
     try:
         from tqdm import tqdm
     except ImportError:
@@ -92,6 +93,7 @@ def progress(iterable, **kwargs):
 
 
 def consume(batches: Iterator[dict[str, Any]], target: int, key: str = "input_ids") -> int:
+    """Draw batches until ``target`` cells arrived; the number of cells drawn."""
     got = 0
     for batch in batches:
         got += len(batch[key])
@@ -102,7 +104,8 @@ def consume(batches: Iterator[dict[str, Any]], target: int, key: str = "input_id
 
 def timed_runs(label: str, run: Callable[[], int], repeats: int) -> dict[str, Any]:
     """Median cells/s, CPU time per cell (every thread of the process) and peak RSS over
-    ``repeats`` runs of ``run`` (returns cells)."""
+    ``repeats`` runs of ``run`` (returns cells).
+    """
     rates, cpu, peaks = [], [], []
     for _ in progress(range(repeats), desc=label, leave=False):
         gc.collect()
@@ -168,6 +171,7 @@ def preset_options(ds: slafload.SlafDataset, name: str, seed: int = 0) -> dict[s
 def slafload_run(
     ds, tokenizer: str, args, target: int, layout: str = "padded", **settings: Any
 ) -> int:
+    """Stream ``target`` cells through a slafload loader; the cells delivered."""
     options = preset_options(ds, tokenizer) if tokenizer in PRESETS else None
     with slafload.Loader(
         ds,
@@ -190,6 +194,7 @@ def slafload_run(
 
 
 def slafdb_run(path: Path, tokenizer: str, args, target: int) -> int:
+    """Stream ``target`` cells through slafdb's loader; the cells delivered."""
     from slaf import SLAFArray
     from slaf.ml.dataloaders import SLAFDataLoader
 
@@ -257,6 +262,7 @@ def profile_stages(ds, tokenizer_name: str, args, n_batches: int = 400) -> dict[
 
 
 def ensure_atlas(args) -> Path:
+    """The benchmark atlas for ``args``, written once and reused."""
     params = {
         "n_cells": args.cells,
         "n_genes": args.genes,
@@ -278,6 +284,7 @@ def ensure_atlas(args) -> Path:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, Any]:
+    """Run the throughput benchmark from the command line; the report."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--cells", type=int, default=50_000)
     p.add_argument("--genes", type=int, default=20_000)
@@ -430,6 +437,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
 
 
 def print_table(report: dict[str, Any]) -> None:
+    """Print the report as a table."""
     d, s = report["dataset"], report["settings"]
     print(
         f"\n{d['n_cells']:,} cells x {d['n_genes']:,} genes, {d['nnz_per_cell']:.0f} "
@@ -452,6 +460,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
+    """Plot the report's throughputs to a PNG at ``path``."""
     try:
         import matplotlib
 

@@ -122,7 +122,7 @@ def write_atlas(
     progress
         Show a tqdm bar over cells if tqdm is installed.
 
-    Returns
+    Returns:
     -------
     pathlib.Path
         The dataset directory. Expression rows are sorted by cell then gene with no duplicate

@@ -40,6 +40,7 @@ class CsrBlock:
 
     @property
     def n_cells(self) -> int:
+        """Number of cells in the block."""
         return len(self.indptr) - 1
 
 
@@ -58,6 +59,7 @@ def write_slaf(
     """Write a SLAF dataset at ``path`` and return its path.
 
     Args:
+        path: Directory of the new dataset.
         blocks: Consecutive cell blocks, in cell order; the i-th cell overall gets
             ``cell_integer_id`` i.
         n_genes: Number of genes (columns).

@@ -94,6 +94,7 @@ class Vocabulary:
 
     @property
     def special_tokens(self) -> dict[str, int]:
+        """The special tokens' ids by name."""
         return {"PAD": PAD, "CLS": CLS, "SEP": SEP, "MASK": MASK}
 
     def token_ids(self, genes: list[str] | np.ndarray) -> np.ndarray:
@@ -220,6 +221,7 @@ class GeneRemap:
         object.__setattr__(self, "mapping", np.asarray(self.mapping, dtype=np.int64))
 
     def __call__(self, chunk: Chunk) -> Chunk:
+        """The chunk with its gene ids mapped through the vocabulary."""
         if len(chunk.genes) and int(chunk.genes.max()) >= len(self.mapping):
             raise VocabularyError(
                 f"chunk holds gene id {int(chunk.genes.max())} but the remap covers "
