@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import lance
 import numpy as np
@@ -98,7 +98,7 @@ class SlafDataset:
 
     def obs(self, columns: list[str] | None = None) -> pl.DataFrame:
         """Cell metadata (the ``cells`` table) in cell-id order."""
-        return pl.from_arrow(self.cells.to_table(columns=columns))
+        return cast(pl.DataFrame, pl.from_arrow(self.cells.to_table(columns=columns)))
 
     def obs_codes(self, column: str) -> tuple[np.ndarray, list[Any] | None]:
         """One obs column as an ``int64`` array per cell, plus its category table.
@@ -130,7 +130,7 @@ class SlafDataset:
 
     def var(self, columns: list[str] | None = None) -> pl.DataFrame:
         """Gene metadata (the ``genes`` table) in gene-id order."""
-        return pl.from_arrow(self.genes.to_table(columns=columns))
+        return cast(pl.DataFrame, pl.from_arrow(self.genes.to_table(columns=columns)))
 
     def __repr__(self) -> str:
         return (

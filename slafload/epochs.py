@@ -20,7 +20,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +99,7 @@ class Run:
         worker: int = 0,
         n_workers: int = 1,
         sleep: Callable[[float], object] = time.sleep,
-    ) -> Iterator[Delivery]:
+    ) -> Generator[Delivery, None, None]:
         """One epoch's batches for this rank, leaving out its first ``skip`` cells.
 
         With ``n_workers > 1`` (DataLoader workers) this worker takes every ``n_workers``-th

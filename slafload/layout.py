@@ -58,7 +58,10 @@ class Layout(Protocol):
 
     name: str
     ragged: bool  # whether pieces are tokenized straight into Ragged rows
-    token_dtype: np.dtype
+
+    @property
+    def token_dtype(self) -> np.dtype:
+        """The dtype of integer token streams and ``position_ids``."""
 
     def piece(self, arrays: Arrays) -> Arrays:
         """Prepare a whole piece's rows before it is cut into batches."""

@@ -71,7 +71,7 @@ class Loader:
         self,
         dataset: SlafDataset | str | os.PathLike[str],
         *,
-        tokenizer: str | Tokenizer = "geneformer",
+        tokenizer: str | Tokenizer | Preset = "geneformer",
         tokenizer_options: Mapping[str, Any] | None = None,
         sampler: Sampler | None = None,
         device: str | torch.device | None = None,
@@ -96,7 +96,8 @@ class Loader:
             tokenizer_options = None
         if isinstance(tokenizer, Preset):  # a model's own tokenizer and its chunk transforms
             self.preset: Preset | None = tokenizer
-            tokenizer, transforms = tokenizer.tokenizer, (*tokenizer.transforms, *transforms)
+            transforms = (*tokenizer.transforms, *transforms)
+            tokenizer = tokenizer.tokenizer
         else:
             self.preset = None
         options = {"max_genes": self.config.max_genes, **(tokenizer_options or {})}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -95,11 +96,11 @@ def ragged_tokens(tokenizer: Tokenizer, ranked: RankedChunk, dtype: np.dtype) ->
     """
     kind = _builtin(tokenizer)
     if kind is Geneformer:
-        return _geneformer(tokenizer, ranked, dtype)
+        return _geneformer(cast(Geneformer, tokenizer), ranked, dtype)
     if kind is ScGPT:
-        return _scgpt(tokenizer, ranked, dtype)
+        return _scgpt(cast(ScGPT, tokenizer), ranked, dtype)
     if kind is Raw:
-        return _raw(tokenizer, ranked, dtype)
+        return _raw(cast(Raw, tokenizer), ranked, dtype)
     return strip(dict(tokenizer(ranked)), dtype, name=tokenizer.name)
 
 
@@ -184,7 +185,7 @@ def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype) -> dict:
     return {RAGGED_KEY: Ragged(offsets, streams, pads, masked=False), "lengths": lengths}
 
 
-def strip(arrays: dict[str, np.ndarray], dtype: np.dtype, *, name: str = "") -> dict:
+def strip(arrays: dict[str, Any], dtype: np.dtype, *, name: str = "") -> dict:
     """A padded tokenizer output with every ``attention_mask``-shaped array made ragged.
 
     The pad value of each stream is read from the first padding slot (0 when there is none).

@@ -63,7 +63,7 @@ class RetryingReader:
         policy: RetryPolicy,
         *,
         uri: str = "",
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], object] = time.sleep,
     ):
         if not isinstance(policy, RetryPolicy):
             raise TypeError(f"policy must be a RetryPolicy, got {type(policy).__name__}")

@@ -152,6 +152,7 @@ class GeneformerTokens:
         ids.reshape(-1)[flat] = ranked.genes[keep]
         lengths = ranked.output_lengths(body)
         if self.special_tokens:
+            assert self.cls_id is not None and self.eos_id is not None  # checked in __init__
             ids[:, 0] = self.cls_id
             ids[np.arange(ranked.n_cells), lengths + 1] = self.eos_id
             lengths = lengths + 2

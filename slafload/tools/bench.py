@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -279,7 +280,7 @@ def ensure_atlas(args) -> Path:
             if all(written.get(k) == v for k, v in params.items()):
                 return path
     print(f"writing synthetic atlas {path} ...", file=sys.stderr)
-    slafload.tools.synthetic.write_atlas(path, overwrite=True, progress=True, **params)
+    slafload.synthetic.write_atlas(path, overwrite=True, progress=True, **params)
     return path
 
 
@@ -333,12 +334,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     ours = BUILTINS + (() if args.no_presets else PRESETS)
     for tok in ours:
         results[f"slafload_{tok}"] = timed_runs(
-            f"slafload {tok}", lambda tok=tok: slafload_run(ds, tok, args, target), args.repeats
+            f"slafload {tok}", partial(slafload_run, ds, tok, args, target), args.repeats
         )
         for layout in layouts if tok in BUILTINS else ():  # presets: their model's layout
             results[f"slafload_{tok}_{layout}"] = timed_runs(
                 f"slafload {tok} {layout}",
-                lambda tok=tok, layout=layout: slafload_run(ds, tok, args, target, layout),
+                partial(slafload_run, ds, tok, args, target, layout),
                 args.repeats,
             )
         # On an accelerator: tokens delivered on the device, tokenized by the producer or there
@@ -347,8 +348,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
                 break
             results[f"slafload_{tok}_{layout}_{on}_on_{args.device}"] = timed_runs(
                 f"slafload {tok} {layout} tokenize_on={on} on {args.device}",
-                lambda tok=tok, layout=layout, on=on: slafload_run(
-                    ds, tok, args, target, layout, tokenize_on=on, device=args.device
+                partial(
+                    slafload_run, ds, tok, args, target, layout, tokenize_on=on, device=args.device
                 ),
                 args.repeats,
             )
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         for tok in ("geneformer", "scgpt"):
             results[f"slafdb_{tok}"] = timed_runs(
                 f"slafdb {tok}",
-                lambda tok=tok: slafdb_run(path, tok, args, target),
+                partial(slafdb_run, path, tok, args, target),
                 args.peer_repeats,
             )
 

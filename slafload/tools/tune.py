@@ -250,7 +250,7 @@ def tune(
         "tokenizer": tokenizer, "max_genes": max_genes, "seconds_per_point": seconds,
         "repeats": repeats, "budget_s": budget_s, "seed": seed,
     }  # fmt: skip
-    points = []
+    points: list[dict[str, Any]] = []
     for b in block_sizes:
         for f in fetch_factors:
             sampler = BlockShuffle(block_size=b, fetch_factor=f, batch_size=batch_size)

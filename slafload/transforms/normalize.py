@@ -28,7 +28,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -270,6 +270,7 @@ class MedianNormalize:
 
     medians: GeneMedians | np.ndarray
     target_sum: float | None = None
+    _scale: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         m = self.medians

@@ -258,7 +258,7 @@ def _parse_tsv(text: str, path: Path) -> list[str]:
     lines = text.splitlines()
     if not lines or lines[0] != _TSV_HEADER:
         raise VocabularyError(f"{path}: the first line must be {_TSV_HEADER!r}")
-    genes = []
+    genes: list[str] = []
     for n, line in enumerate(lines[1:], start=2):
         token, _, gene = line.partition("\t")
         if not gene or token != str(len(genes) + GENE_OFFSET):
