@@ -75,7 +75,9 @@ class Weighted(MinibatchFetches):
         replacement: Draw blocks independently (True) or a weighted order without repeats.
         n_draws: Cells per epoch; default: all cells (with replacement) or all cells of
             positive-weight blocks (without).
-        block_size, fetch_factor, batch_size: As in :class:`BlockShuffle`.
+        block_size: As in :class:`BlockShuffle`.
+        fetch_factor: As in :class:`BlockShuffle`.
+        batch_size: As in :class:`BlockShuffle`.
     """
 
     weights: np.ndarray = field(repr=False)
@@ -158,8 +160,12 @@ class ClassBalanced(MinibatchFetches):
 
     Args:
         labels: ``int[n_cells]`` class code per cell (e.g. from ``dataset.obs_codes``).
-        replacement, n_draws, block_size, fetch_factor, batch_size: As in :class:`Weighted`;
-            with replacement (the default) rare classes are repeated to match common ones.
+        replacement: As in :class:`Weighted`; with replacement (the default) rare classes are
+            repeated to match common ones.
+        n_draws: As in :class:`Weighted`.
+        block_size: As in :class:`Weighted`.
+        fetch_factor: As in :class:`Weighted`.
+        batch_size: As in :class:`Weighted`.
 
     Use :meth:`from_obs` to balance an obs column of a dataset.
     """
