@@ -12,6 +12,8 @@ Contracts between stages are in :mod:`slafload.types`. Add-ons plug in at two po
 (conversion, synthetic atlases, benchmarks, the CLI) live apart in :mod:`slafload.tools`.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from slafload import diversity, samplers, synthetic
 from slafload.config import LoaderConfig, RetryPolicy
 from slafload.dataset import SlafDataset, open_dataset
@@ -39,9 +41,12 @@ __version__ = "0.1.0"
 # torch takes seconds to import; only the loader needs it, so `slafload --help`, conversion and
 # dataset inspection do not pay for it.
 _LAZY = {"Loader": "slafload.loader", "SlafIterableDataset": "slafload.torch_data"}
+if TYPE_CHECKING:
+    from slafload.loader import Loader
+    from slafload.torch_data import SlafIterableDataset
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

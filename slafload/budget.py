@@ -37,7 +37,8 @@ def row_bytes(schema: pa.Schema, columns: list[str]) -> int:
 
 def read_rows(fetch: Fetch, cell_start: np.ndarray, max_gap: int) -> np.ndarray:
     """Rows each range of ``fetch`` makes Lance read: its own, plus a preceding gap the reader
-    scans through (at most ``max_gap`` rows after the previous range)."""
+    scans through (at most ``max_gap`` rows after the previous range).
+    """
     rows = cell_start[fetch.ranges]
     own = rows[:, 1] - rows[:, 0]
     gap = np.zeros(len(rows), dtype=np.int64)

@@ -22,12 +22,13 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 _FREE = 2  # references to a pooled array nobody else holds: the entry's and getrefcount's
 _scratch = threading.local()
 
 
-def scratch(name: str, n: int, dtype: type) -> np.ndarray:
+def scratch(name: str, n: int, dtype: npt.DTypeLike) -> np.ndarray:
     """An uninitialised 1-D array of ``n`` elements, reused by every call on this thread.
 
     For temporaries that never leave the function using them (e.g. ranking keys): each

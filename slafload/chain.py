@@ -17,9 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from slafload.batcher import Batches, ToTorch
 from slafload.chunk import Assemble, Shuffle, Split, Transform
@@ -34,6 +32,9 @@ from slafload.reader import COLUMNS
 from slafload.stage import Stage
 from slafload.tokenize import Tokenize
 from slafload.types import Batch, ChunkTransform, Tokenizer
+
+if TYPE_CHECKING:
+    from slafload.mixture import Mixture
 
 Observe = Callable[[str, Stage[Any]], Stage[Any]]
 """Wraps each stage as it is built, by name (the benchmark times stages this way)."""
@@ -53,11 +54,11 @@ class ChainSpec:
         pin_memory: Pin each batch's tensors on the producer thread.
     """
 
-    dataset: SlafDataset
+    dataset: SlafDataset | Mixture
     tokenizer: Tokenizer
     config: LoaderConfig
     transforms: tuple[ChunkTransform, ...] = ()
-    obs: Mapping[str, np.ndarray] = field(default_factory=dict)
+    obs: Mapping[str, Any] = field(default_factory=dict)  # int64 codes indexable by cell id
     pin_memory: bool = False
 
     @cached_property
@@ -116,13 +117,13 @@ def build_chain(
     read = Read(
         parts,
         reader,
-        ds.cell_start,
+        ds.cell_start,  # type: ignore[arg-type]  # a mixture's offsets index like an array
         row_bytes=ds.row_bytes(COLUMNS),
         read_ahead=cfg.read_ahead,
         memory_budget=cfg.memory_budget,
     )
     s: Stage[Any] = observe("read", read)
-    s = observe("assemble", Assemble(s, ds))
+    s = observe("assemble", Assemble(s, ds))  # type: ignore[arg-type]  # duck-typed dataset
     s = observe("shuffle", Shuffle(s))
     s = observe("transform", Transform(s, spec.transforms))
     s = observe("split", Split(s, cfg.piece_cells))

@@ -238,7 +238,8 @@ class Assemble(Stage[tuple[Part, Chunk]]):
 
 class Shuffle(Stage[tuple[Part, Chunk]]):
     """Each chunk in its output order: the fetch's seeded shuffle, or the part's own ``order``
-    (a first read of a run, :mod:`slafload.first_read`)."""
+    (a first read of a run, :mod:`slafload.first_read`).
+    """
 
     def __next__(self) -> tuple[Part, Chunk]:
         part, chunk = next(self.source)

@@ -76,11 +76,14 @@ class DataFiles:
         max_open: int | None = None,
     ) -> DataFiles | None:
         """The data files of ``expression``'s pinned version, or ``None`` where reading them
-        directly would not be exact (see the module docstring)."""
+        directly would not be exact (see the module docstring).
+        """
         fragments = expression.get_fragments()
         if not fragments:
             return None
-        paths, rows, fields = [], [], None
+        paths: list[str] = []
+        rows: list[int] = []
+        fields: list[int] | None = None  # the field ids of every data file
         for fragment in fragments:
             meta = fragment.metadata
             files = meta.files
@@ -95,9 +98,9 @@ class DataFiles:
                 return None
             paths.append(f"{expression.uri.rstrip('/')}/data/{data.path}")
             rows.append(meta.physical_rows)
-        files = cls(paths, np.concatenate([[0], np.cumsum(rows)]), storage_options, max_open)
+        direct = cls(paths, np.concatenate([[0], np.cumsum(rows)]), storage_options, max_open)
         try:
-            stored = files._reader(0, tuple(columns)).metadata().schema
+            stored = direct._reader(0, tuple(columns)).metadata().schema
         except Exception as exc:  # an unreadable file is the scan's to report, not ours
             logger.debug("not reading data files directly: %r", exc)
             return None
@@ -106,12 +109,13 @@ class DataFiles:
             idx = stored.get_field_index(name)
             if idx < 0 or stored.field(idx).type != wanted.field(name).type:
                 return None
-        if int(files.starts[-1]) != expression.count_rows():
+        if int(direct.starts[-1]) != expression.count_rows():
             return None
-        return files
+        return direct
 
     @property
     def n_files(self) -> int:
+        """Data files of the pinned version."""
         return len(self.paths)
 
     def pieces(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

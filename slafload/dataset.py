@@ -17,7 +17,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lance
 import numpy as np
@@ -69,10 +69,12 @@ class SlafDataset:
 
     @property
     def n_cells(self) -> int:
+        """Number of cells (rows of the ``cells`` table)."""
         return len(self.cell_start) - 1
 
     @property
     def n_genes(self) -> int:
+        """Number of genes (rows of the ``genes`` table)."""
         return self.genes.count_rows()
 
     @property
@@ -91,15 +93,17 @@ class SlafDataset:
 
     @property
     def value_type(self) -> pa.DataType:
+        """Arrow type of the expression table's ``value`` column."""
         return self.expression.schema.field("value").type
 
     @property
     def gene_type(self) -> pa.DataType:
+        """Arrow type of the expression table's ``gene_integer_id`` column."""
         return self.expression.schema.field("gene_integer_id").type
 
     def obs(self, columns: list[str] | None = None) -> pl.DataFrame:
         """Cell metadata (the ``cells`` table) in cell-id order."""
-        return pl.from_arrow(self.cells.to_table(columns=columns))
+        return cast(pl.DataFrame, pl.from_arrow(self.cells.to_table(columns=columns)))
 
     def obs_codes(self, column: str) -> tuple[np.ndarray, list[Any] | None]:
         """One obs column as an ``int64`` array per cell, plus its category table.
@@ -143,7 +147,7 @@ class SlafDataset:
 
     def var(self, columns: list[str] | None = None) -> pl.DataFrame:
         """Gene metadata (the ``genes`` table) in gene-id order."""
-        return pl.from_arrow(self.genes.to_table(columns=columns))
+        return cast(pl.DataFrame, pl.from_arrow(self.genes.to_table(columns=columns)))
 
     def __repr__(self) -> str:
         return (
@@ -356,9 +360,9 @@ def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> np.ndar
         )
         offsets[:-1] = _offsets_by_scan(tables["expression"], n_cells)
     offsets[-1] = n_rows
-    bad = _first_decrease(offsets)
-    if offsets[0] != 0 or bad is not None:
-        bad = 0 if offsets[0] != 0 else bad
+    decrease = _first_decrease(offsets)
+    if offsets[0] != 0 or decrease is not None:
+        bad = 0 if offsets[0] != 0 or decrease is None else decrease
         hint = ""
         if bad == n_cells:  # name the first cell past the end, not the row count
             bad = _first_above(offsets[:-1], n_rows)

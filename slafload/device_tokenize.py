@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -41,6 +42,7 @@ class Ready:
     piece: Chunk
 
     def discard(self) -> None:
+        """Nothing to release: no work was started."""
         pass
 
 
@@ -58,15 +60,15 @@ class _Spec:
 
     @staticmethod
     def of(tokenizer: Tokenizer) -> _Spec:
-        kind = _builtin(tokenizer)
+        kind, t = _builtin(tokenizer), cast(Any, tokenizer)  # an instance of kind
         if kind is Geneformer:
-            w = tokenizer.max_genes
+            w = t.max_genes
             return _Spec(Geneformer, w - 1, w, 1, False)
-        if kind is ScGPT and type(tokenizer).bins is ScGPT.bins:
-            m = tokenizer.max_genes
-            return _Spec(ScGPT, m, m + 2, 1, True, tokenizer.n_bins, tokenizer.value_offset)
+        if kind is ScGPT and type(t).bins is ScGPT.bins:
+            m = t.max_genes
+            return _Spec(ScGPT, m, m + 2, 1, True, t.n_bins, t.value_offset)
         if kind is Raw:
-            return _Spec(Raw, tokenizer.max_genes, tokenizer.max_genes, 0, False)
+            return _Spec(Raw, t.max_genes, t.max_genes, 0, False)
         raise LayoutError(
             f"tokenize_on='device' supports the built-in geneformer, scgpt (quantile bins) "
             f"and raw tokenizers, not {tokenizer.name!r}; use tokenize_on='producer'"
@@ -92,6 +94,7 @@ class DeviceTokens:
         object.__setattr__(self, "spec", _Spec.of(self.tokenizer))
 
     def start(self, piece: Chunk) -> Ready:
+        """Hand the piece on untouched; ranking happens on the device."""
         return Ready(piece)
 
     def rows(self, pending: Ready) -> tuple[Arrays, np.ndarray]:
@@ -238,7 +241,8 @@ def quantile_bins(
 ) -> torch.Tensor:
     """scGPT's per-cell quantile bin of every ranked entry, as
     :func:`slafload.tokenizers.quantile_bins` computes it (numpy's linear quantiles and
-    ``digitize``), with the same floating-point operations in the same order."""
+    ``digitize``), with the same floating-point operations in the same order.
+    """
     dev, m, n_cells = values.device, len(values), len(indptr) - 1
     if m == 0:
         return torch.zeros(0, dtype=torch.int64, device=dev)

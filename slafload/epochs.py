@@ -20,10 +20,10 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slafload.chain import ChainSpec, build_chain
 from slafload.dataset import SlafDataset, open_dataset
@@ -31,13 +31,17 @@ from slafload.errors import StateError
 from slafload.partition import RankShare, Segment, rank_share
 from slafload.types import Batch, Sampler
 
+if TYPE_CHECKING:
+    from slafload.mixture import Mixture
+
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Position:
     """Where the consumer is in ``epoch``: it holds the first ``cells`` cells of its rank's
-    share in the current segment, after the completed (elastic-resume) ``history``."""
+    share in the current segment, after the completed (elastic-resume) ``history``.
+    """
 
     epoch: int = 0
     cells: int = 0
@@ -98,7 +102,7 @@ class Run:
         worker: int = 0,
         n_workers: int = 1,
         sleep: Callable[[float], object] = time.sleep,
-    ) -> Iterator[Delivery]:
+    ) -> Generator[Delivery, None, None]:
         """One epoch's batches for this rank, leaving out its first ``skip`` cells.
 
         With ``n_workers > 1`` (DataLoader workers) this worker takes every ``n_workers``-th
@@ -276,7 +280,7 @@ def read_state(state: Mapping[str, Any], run: Run, *, replan: bool = False) -> P
     return Position(int(state[EPOCH]), 0, tuple(segments))
 
 
-def repin(dataset: SlafDataset, versions: Mapping[str, int]) -> SlafDataset:
+def repin(dataset: SlafDataset | Mixture, versions: Mapping[str, Any]) -> SlafDataset | Mixture:
     """``dataset`` opened at the Lance ``versions`` a state recorded (itself if already so).
 
     Raises:

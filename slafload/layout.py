@@ -51,7 +51,8 @@ Arrays = dict[str, Any]  # row-aligned numpy arrays, and at most one Ragged unde
 class Pending(Protocol):
     """Work started on a piece: :meth:`discard` must be called if it is never collected."""
 
-    def discard(self) -> None: ...
+    def discard(self) -> None:
+        """Release the work if it will never be collected."""
 
 
 class Layout(Protocol):
@@ -59,11 +60,16 @@ class Layout(Protocol):
 
     name: str
     ragged: bool  # whether pieces are tokenized straight into Ragged rows
-    token_dtype: np.dtype
 
-    def piece(self, arrays: Arrays) -> Arrays: ...
+    @property
+    def token_dtype(self) -> np.dtype:
+        """The dtype of integer token streams and ``position_ids``."""
 
-    def finish(self, batch: Arrays) -> dict[str, np.ndarray]: ...
+    def piece(self, arrays: Arrays) -> Arrays:
+        """Prepare a whole piece's rows before it is cut into batches."""
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as the layout's output arrays."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,7 @@ class Padded(_Layout):
     ragged = False
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """The batch's padded rows, as they are."""
         return dict(batch)
 
 
@@ -92,6 +99,7 @@ class Longest(_Layout):
     ragged = True
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """The batch's rows padded to its longest cell."""
         cells, rows = _split(batch)
         lengths = rows.lengths
         width = int(lengths.max()) if len(lengths) else 0
@@ -108,6 +116,7 @@ class Packed(_Layout):
     ragged = True
 
     def piece(self, arrays: Arrays) -> Arrays:
+        """Add within-cell ``position_ids`` to the piece's token streams."""
         # Positions count within a cell, so a piece's stream sliced at cell boundaries is each
         # batch's: one pass per piece instead of one numpy call chain per batch.
         rows = arrays[RAGGED_KEY]
@@ -116,6 +125,7 @@ class Packed(_Layout):
         return {**arrays, RAGGED_KEY: Ragged(rows.offsets, streams, pads, rows.masked)}
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """The batch's token streams back to back, with ``cu_seqlens`` offsets."""
         cells, rows = _split(batch)
         return {**rows.streams, "cu_seqlens": rows.offsets.astype(np.int32), **cells}
 
@@ -145,15 +155,19 @@ def _split(batch: Arrays) -> tuple[dict[str, np.ndarray], Ragged]:
 class TokenStage(Protocol):
     """The producer's tokenizing steps and the consumer's last step (see the module doc)."""
 
-    def start(self, piece: Chunk) -> Pending: ...
+    def start(self, piece: Chunk) -> Pending:
+        """Start the work on a piece (ranking may run in the background)."""
 
-    def rows(self, pending: Any) -> tuple[Arrays, np.ndarray]: ...
+    def rows(self, pending: Any) -> tuple[Arrays, np.ndarray]:
+        """Collect started work: the token rows and their output cell ids."""
 
-    def finish(self, batch: Arrays) -> dict[str, np.ndarray]: ...
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as its output numpy arrays."""
 
     def consume(
         self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
-    ) -> dict[str, torch.Tensor]: ...
+    ) -> dict[str, torch.Tensor]:
+        """The consumer's last step: the batch's tensors, on ``device``."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,7 +178,7 @@ class Tokenized:
     cells: np.ndarray
 
     def discard(self) -> None:
-        pass
+        """Nothing runs in the background: nothing to wait for."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -205,11 +219,13 @@ class HostTokens:
         return arrays, ranked.output_cell_ids
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as the layout's output arrays."""
         return self.layout.finish(batch)
 
     def consume(
         self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
     ) -> dict[str, torch.Tensor]:
+        """Move the batch's tensors to ``device`` (no copy on the CPU)."""
         if device is None or device.type == "cpu":
             return dict(batch)
         return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}

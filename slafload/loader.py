@@ -16,7 +16,7 @@ import logging
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -81,7 +81,7 @@ class Loader:
         *,
         weights: Sequence[float] | None = None,
         vocabulary: Vocabulary | str | None = None,
-        tokenizer: str | Tokenizer = "geneformer",
+        tokenizer: str | Tokenizer | Preset = "geneformer",
         tokenizer_options: Mapping[str, Any] | None = None,
         sampler: Sampler | None = None,
         device: str | torch.device | None = None,
@@ -110,11 +110,14 @@ class Loader:
             )
         if named_preset:
             preset_options = {"seed": self.config.seed, **(tokenizer_options or {})}
-            tokenizer = make_preset(tokenizer, self.dataset, **preset_options)
+            tokenizer = make_preset(
+                cast(str, tokenizer), cast(SlafDataset, self.dataset), **preset_options
+            )
             tokenizer_options = None
         if isinstance(tokenizer, Preset):  # a model's own tokenizer and its chunk transforms
             self.preset: Preset | None = tokenizer
-            tokenizer, transforms = tokenizer.tokenizer, (*tokenizer.transforms, *transforms)
+            transforms = (*tokenizer.transforms, *transforms)
+            tokenizer = tokenizer.tokenizer
         else:
             self.preset = None
         options = {"max_genes": self.config.max_genes, **(tokenizer_options or {})}
@@ -150,7 +153,7 @@ class Loader:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self._transforms = tuple(transforms)
         self._obs_columns = tuple(obs_columns)
-        if mixture:
+        if isinstance(self.dataset, Mixture):
             self.dataset.check_values(self.tokenizer, self._transforms)
         self._build_run()
         self._position = Position()

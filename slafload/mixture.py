@@ -31,7 +31,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -135,7 +135,7 @@ class Mixture:
             dataclasses.replace(s, dataset=ds, name=s.name or _default_name(ds.uri))
             for s, ds in zip(specs, opened, strict=True)
         )
-        self._options = {
+        self._options: dict[str, Any] = {
             "vocabulary": vocabulary,
             "unknown": unknown,
             "gene_column": gene_column,
@@ -160,6 +160,7 @@ class Mixture:
 
     @property
     def datasets(self) -> tuple[SlafDataset, ...]:
+        """The sources' opened datasets, by source code."""
         return tuple(s.dataset for s in self.sources)  # type: ignore[misc]
 
     @property
@@ -176,6 +177,7 @@ class Mixture:
 
     @property
     def n_cells(self) -> int:
+        """Cells of all sources together."""
         return int(self.offsets[-1])
 
     @property
@@ -193,6 +195,7 @@ class Mixture:
 
     @property
     def uri(self) -> str:
+        """A name for messages: every source's name and URI."""
         return "mixture(" + ", ".join(f"{s.name}={s.dataset.uri}" for s in self.sources) + ")"  # type: ignore[union-attr]
 
     @property
@@ -202,6 +205,7 @@ class Mixture:
 
     @property
     def storage_options(self) -> None:
+        """None: each source keeps its own storage options."""
         return None
 
     def reader(self, *, batch_rows: int = 1 << 20, direct: bool = True) -> MixedReader:
@@ -219,8 +223,9 @@ class Mixture:
             uris=tuple(ds.uri for ds in self.datasets),
             sizes=tuple(ds.n_cells for ds in self.datasets),
             weights=tuple(
-                float(s.weight if s.weight is not None else s.dataset.n_cells) for s in self.sources
-            ),  # type: ignore[union-attr]
+                float(s.weight if s.weight is not None else ds.n_cells)
+                for s, ds in zip(self.sources, self.datasets, strict=True)
+            ),
             samplers=tuple(
                 bind(s.sampler) if s.sampler is not None else default for s in self.sources
             ),
@@ -256,8 +261,9 @@ class Mixture:
                 parts[k] = codes
             return CellColumn(self.offsets, parts), None
         union = sorted(
-            {c for _, cats in found.values() for c in cats}, key=lambda c: (c is None, str(c))
-        )  # type: ignore[union-attr]
+            {c for _, cats in found.values() for c in cats or ()},
+            key=lambda c: (c is None, str(c)),
+        )
         index = {c: i for i, c in enumerate(union)}
         for k, (codes, cats) in found.items():
             parts[k] = np.array([index[c] for c in cats], dtype=np.int64)[codes]  # type: ignore[union-attr]
@@ -405,4 +411,4 @@ def open_source(
         )
     if isinstance(dataset, (SlafDataset, Mixture)):
         return dataset
-    return open_dataset(dataset)
+    return open_dataset(cast("str | os.PathLike[str]", dataset))

@@ -64,6 +64,7 @@ class Prefetcher(Generic[T]):
 
     @property
     def alive(self) -> bool:
+        """Whether the producer thread is still running."""
         return self._thread.is_alive()
 
     def _put(self, item: T | _End | _Failure) -> bool:

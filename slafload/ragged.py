@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -46,6 +47,7 @@ class Ragged:
 
     @property
     def lengths(self) -> np.ndarray:
+        """Number of entries of each row."""
         return np.diff(self.offsets)
 
     def __getitem__(self, rows: slice) -> Ragged:
@@ -94,11 +96,11 @@ def ragged_tokens(tokenizer: Tokenizer, ranked: RankedChunk, dtype: np.dtype) ->
     """
     kind = _builtin(tokenizer)
     if kind is Geneformer:
-        return _geneformer(tokenizer, ranked, dtype)
+        return _geneformer(cast(Geneformer, tokenizer), ranked, dtype)
     if kind is ScGPT:
-        return _scgpt(tokenizer, ranked, dtype)
+        return _scgpt(cast(ScGPT, tokenizer), ranked, dtype)
     if kind is Raw:
-        return _raw(tokenizer, ranked, dtype)
+        return _raw(cast(Raw, tokenizer), ranked, dtype)
     return strip(dict(tokenizer(ranked)), dtype, name=tokenizer.name)
 
 
@@ -139,7 +141,8 @@ def _sentences(
     ranked: RankedChunk, limit: int, width: int, dtype: np.dtype
 ) -> tuple[np.ndarray, np.ndarray]:
     """Offsets and ids of ``[CLS] g1..gk [SEP]`` rows (``SEP`` only where it fits in
-    ``width``), ``k <= limit``; aligned streams are filled by :func:`_copy_genes`."""
+    ``width``), ``k <= limit``; aligned streams are filled by :func:`_copy_genes`.
+    """
     kept = ranked.output_lengths(limit)
     sep = kept + 1 < width
     offsets = _offsets(kept + 1 + sep)
@@ -177,7 +180,7 @@ def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype) -> dict:
     return {RAGGED_KEY: Ragged(offsets, streams, pads, masked=False), "lengths": lengths}
 
 
-def strip(arrays: dict[str, np.ndarray], dtype: np.dtype, *, name: str = "") -> dict:
+def strip(arrays: dict[str, Any], dtype: np.dtype, *, name: str = "") -> dict:
     """A padded tokenizer output with every ``attention_mask``-shaped array made ragged.
 
     The pad value of each stream is read from the first padding slot (0 when there is none).

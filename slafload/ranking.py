@@ -58,6 +58,7 @@ class PendingRank:
             self._query = None
 
     def result(self) -> RankedChunk:
+        """Wait for the ranking and return it."""
         genes, values = self._genes, self._values
         if self._query is not None:
             ranked, self._query = self._query.fetch_blocking(), None
@@ -212,7 +213,8 @@ class RankGenes(Stage[Any]):
 
     def close(self) -> None:
         """Wait out the work in flight (Polars must never send to nobody), end the worker,
-        close the source."""
+        close the source.
+        """
         pending, self._pending = self._pending, []
         for future in pending:
             if not future.cancel() and future.exception() is None:

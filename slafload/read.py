@@ -45,7 +45,8 @@ logger = logging.getLogger(__name__)
 class FetchReader(Protocol):
     """Anything that turns a fetch into record batches (:class:`~slafload.reader.Reader`)."""
 
-    def read(self, fetch: Fetch) -> Iterable[pa.RecordBatch]: ...
+    def read(self, fetch: Fetch) -> Iterable[pa.RecordBatch]:
+        """The record batches holding exactly the expression rows of ``fetch``."""
 
 
 class RetryingReader:
@@ -64,7 +65,7 @@ class RetryingReader:
         policy: RetryPolicy,
         *,
         uri: str = "",
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], object] = time.sleep,
     ):
         if not isinstance(policy, RetryPolicy):
             raise TypeError(f"policy must be a RetryPolicy, got {type(policy).__name__}")

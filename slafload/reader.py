@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import numpy as np
 import pyarrow as pa
@@ -179,7 +179,7 @@ def started(items: Iterable[T]) -> Iterator[T]:
         head = next(items, _END)
     except Exception as exc:
         return _raising(exc)
-    return items if head is _END else itertools.chain([head], items)
+    return items if head is _END else itertools.chain([cast(T, head)], items)
 
 
 def _raising(exc: Exception) -> Iterator[Any]:

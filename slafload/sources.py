@@ -30,11 +30,12 @@ def source_of(offsets: np.ndarray, cells: np.ndarray) -> np.ndarray:
 
 def _by_source(offsets: np.ndarray, cells: np.ndarray, n_sources: int) -> Iterator[tuple[int, Any]]:
     """``(source, selector)`` for each source among ``cells``; a piece is one source's cells,
-    so that common case costs two scans, not a search per cell."""
+    so that common case costs two scans, not a search per cell.
+    """
     if not cells.size:
         return
     first, last = (
-        min(int(x), n_sources - 1) for x in source_of(offsets, [cells.min(), cells.max()])
+        min(int(x), n_sources - 1) for x in source_of(offsets, np.array([cells.min(), cells.max()]))
     )
     if first == last:
         yield first, slice(None)
@@ -106,6 +107,7 @@ class MixedReader:
         self.readers = [ds.reader(batch_rows=batch_rows, direct=direct) for ds in datasets]
 
     def read(self, fetch: Fetch) -> Iterator[pa.RecordBatch]:
+        """The record batches of ``fetch``, read from its source, with global cell ids."""
         if not len(fetch.ranges):
             return
         k = int(source_of(self.offsets, fetch.ranges[:1, 0])[0])
@@ -117,7 +119,8 @@ class MixedReader:
 
 def _shift_cells(batch: pa.RecordBatch, offset: int, n_cells: int) -> pa.RecordBatch:
     """``batch`` with ``offset`` added to its cell ids, in their own type where every global
-    id fits (one pass over a 4-byte column), else as ``int64``."""
+    id fits (one pass over a 4-byte column), else as ``int64``.
+    """
     i = batch.schema.get_field_index("cell_integer_id")
     column = batch.column(i)
     kind = column.type
@@ -137,6 +140,7 @@ class PerSource:
     transforms: tuple[tuple[ChunkTransform, ...], ...]
 
     def __call__(self, chunk: Chunk) -> Chunk:
+        """``chunk`` through the transforms of its source."""
         if not chunk.n_cells:
             return chunk
         k = int(source_of(self.offsets, chunk.cell_ids[:1])[0])
@@ -147,7 +151,7 @@ class PerSource:
     def for_epoch(self, epoch: int) -> PerSource:
         """Epoch-aware transforms of every source bound to ``epoch``."""
         bound = tuple(
-            tuple(t.for_epoch(epoch) if hasattr(t, "for_epoch") else t for t in ts)  # type: ignore[attr-defined]
+            tuple(t.for_epoch(epoch) if hasattr(t, "for_epoch") else t for t in ts)
             for ts in self.transforms
         )
         return dataclasses.replace(self, transforms=bound)

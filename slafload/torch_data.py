@@ -34,6 +34,7 @@ from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.epochs import Delivery, Position, Run
 from slafload.errors import StateError
+from slafload.mixture import Mixture
 from slafload.types import Batch, ChunkTransform, Sampler, Tokenizer
 
 
@@ -98,7 +99,7 @@ class SlafIterableDataset(IterableDataset[Batch]):
             self._run = self._run_on(ds)
         return self._run
 
-    def _run_on(self, ds: SlafDataset) -> Run:
+    def _run_on(self, ds: SlafDataset | Mixture) -> Run:
         s = self._settings
         obs = {name: ds.obs_codes(name)[0] for name in s["obs_columns"]}
         spec = ChainSpec(ds, s["tokenizer"], s["config"], transforms=s["transforms"], obs=obs)

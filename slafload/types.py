@@ -206,7 +206,8 @@ class ChunkTransform(Protocol):
     within a cell (genes must stay ascending within a cell).
     """
 
-    def __call__(self, chunk: Chunk, /) -> Chunk: ...
+    def __call__(self, chunk: Chunk, /) -> Chunk:
+        """The rewritten chunk."""
 
 
 @runtime_checkable
@@ -219,4 +220,5 @@ class Tokenizer(Protocol):
 
     name: str
 
-    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]: ...
+    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        """Equal-length arrays, one row per output cell."""

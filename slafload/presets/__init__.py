@@ -69,6 +69,7 @@ class Coverage:
 
     @property
     def gene_fraction(self) -> float:
+        """Fraction of the dataset's genes the model's vocabulary covers."""
         return self.n_covered / self.n_genes if self.n_genes else float("nan")
 
     def __str__(self) -> str:

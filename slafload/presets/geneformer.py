@@ -77,6 +77,7 @@ class GeneformerNormalize:
     target_sum: int | float = TARGET_SUM
 
     def __call__(self, chunk: Chunk) -> Chunk:
+        """The chunk mapped to tokens and normalized as described above."""
         n = chunk.n_cells
         genes = chunk.genes.astype(np.int64, copy=False)
         if len(genes) and int(genes.max()) >= len(self.token_of_gene):
@@ -143,12 +144,14 @@ class GeneformerTokens:
         self.pad_id, self.cls_id, self.eos_id, self.name = pad_id, cls_id, eos_id, name
 
     def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        """Token rows in the model's layout for every cell of the chunk."""
         width, first = self.model_input_size, int(self.special_tokens)
         body = width - 2 * first
         ids = np.full((ranked.n_cells, width), self.pad_id, dtype=np.int64)
         _fill_rows(ids, ranked.genes, ranked, body, first_col=first)
         lengths = ranked.output_lengths(body)
         if self.special_tokens:
+            assert self.cls_id is not None and self.eos_id is not None  # checked in __init__
             ids[:, 0] = self.cls_id
             ids[np.arange(ranked.n_cells), lengths + 1] = self.eos_id
             lengths = lengths + 2
@@ -186,11 +189,14 @@ def geneformer_v2(
             ``feature_id``, ``gene_id``, a symbol column with a symbol mapping).
         n_counts_column: ``cells.lance`` column of total counts; when absent (or ``None``),
             each cell's total over all its stored genes.
-        model_input_size, special_tokens: Layout (V1: 2048 and ``False``).
+        model_input_size: Tokens per cell, specials included (V1: 2048).
+        special_tokens: Wrap each cell in ``<cls> ... <eos>`` (V1: ``False``).
         collapse_gene_ids: Map through ``ensembl_mapping`` and sum genes sharing an id (the
             reference's default). ``False`` matches names to the token dictionary directly and
             refuses duplicates among matched names, as the reference does.
-        sample_cells, warn_below: Coverage estimate size and warning threshold.
+        sample_cells: Cells sampled to estimate the vocabulary's coverage.
+        warn_below: Coverage below which a warning is logged.
+        name: The preset's name.
     """
     tokens = load_dictionary(token_dictionary, "token_dictionary", _read_pickle)
     medians = load_dictionary(gene_median_dictionary, "gene_median_dictionary", _read_pickle)

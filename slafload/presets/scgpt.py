@@ -152,6 +152,7 @@ class ScGPTTokens:
         return np.ceil(u * (right - left) + left).astype(np.int64), genes
 
     def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        """Token rows and binned values in the model's layout for every cell."""
         bins, genes = self.bins(ranked)
         first = int(self.append_cls)
         ids = np.full((ranked.n_cells, self.max_len), self.pad_id, dtype=np.int64)
@@ -297,10 +298,17 @@ def scgpt(
         gene_column: ``genes.lance`` column with the names the vocabulary uses (scGPT's
             whole-human vocabulary uses HGNC symbols), matched exactly.
         max_len: ``max_seq_len`` (tutorials: 3001; pretraining used 1200), ``<cls>`` included.
-        n_bins, pad_token, cls_token, pad_value, append_cls, include_zero_gene,
-        normalize_total, log1p: As in scGPT (``pad_value=n_bins`` for the category style).
+        n_bins: As in scGPT.
+        pad_token: As in scGPT.
+        cls_token: As in scGPT.
+        pad_value: As in scGPT (``pad_value=n_bins`` for the category style).
+        append_cls: As in scGPT.
+        include_zero_gene: As in scGPT.
+        normalize_total: As in scGPT.
+        log1p: As in scGPT.
         seed: Key of the random tie spreading and subsampling (the loader passes its seed).
-        sample_cells, warn_below: Coverage estimate size and warning threshold.
+        sample_cells: Cells sampled to estimate the vocabulary's coverage.
+        warn_below: Coverage below which a warning is logged.
     """
     token_index = load_dictionary(vocab, "vocab", _read_json)
     missing = [t for t in (pad_token, cls_token) if t not in token_index]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import Self
 
 import numpy as np
 
@@ -40,7 +41,7 @@ class MinibatchFetches:
 
     batch_size: int | None
 
-    def with_batch_size(self, batch_size: int) -> Sampler:
+    def with_batch_size(self, batch_size: int) -> Self:
         """This sampler planning for minibatches of ``batch_size`` cells.
 
         Raises:
@@ -54,7 +55,7 @@ class MinibatchFetches:
                 f"loader uses batch_size={batch_size}; give the batch size once, to the "
                 "loader, and leave the sampler's batch_size unset"
             )
-        return self  # type: ignore[return-value]
+        return self
 
     def _minibatch(self) -> int:
         if self.batch_size is None:

@@ -87,9 +87,11 @@ class BlockShuffle(MinibatchFetches):
 
     @property
     def blocks_per_fetch(self) -> int:
+        """Blocks read per fetch: enough for ``fetch_factor`` minibatches."""
         return -(-self.fetch_factor * self._minibatch() // self.block_size)
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The epoch's fetches (see :class:`~slafload.samplers.base.Sampler`)."""
         return _BlockPlan(
             n_cells, self.block_size, self.blocks_per_fetch, derive_seed(seed, epoch, 2)
         )

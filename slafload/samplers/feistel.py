@@ -34,20 +34,22 @@ class FeistelPermutation:
     True
     """
 
-    def __init__(self, n: int, *, seed: int, rounds: int = 6):
+    def __init__(self, n: int, *, seed: int, rounds: int = 6) -> None:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= _MAX_N:
             raise ValueError(f"n must be an integer in [1, 2**62], got {n!r}")
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         if isinstance(rounds, bool) or not isinstance(rounds, numbers.Integral) or rounds < 4:
             raise ValueError(f"rounds must be an integer >= 4, got {rounds!r}")
-        self.n = int(n)
-        self.seed = int(seed)
+        self.n: int = int(n)
+        self.seed: int = int(seed)
         # Balanced halves of h bits each: the smallest even-width domain 4**h >= n, so cycle
         # walking needs at most 4 tries per element on average.
-        self._half = max(1, ((self.n - 1).bit_length() + 1) // 2)
-        self._mask = np.uint64((1 << self._half) - 1)
-        self._keys = np.random.SeedSequence([self.seed, self.n]).generate_state(rounds, np.uint64)
+        self._half: int = max(1, ((self.n - 1).bit_length() + 1) // 2)
+        self._mask: np.uint64 = np.uint64((1 << self._half) - 1)
+        self._keys: np.ndarray = np.random.SeedSequence([self.seed, self.n]).generate_state(
+            rounds, np.uint64
+        )
 
     def __len__(self) -> int:
         return self.n

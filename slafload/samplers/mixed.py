@@ -88,6 +88,7 @@ class MixtureSampler:
         return np.concatenate([[0], np.cumsum(self.sizes, dtype=np.int64)])
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The mixed plan of ``epoch``: the sources' fetches interleaved by weight."""
         if n_cells != sum(self.sizes):
             raise ValueError(
                 f"a mixture of {sum(self.sizes)} cells was asked to plan {n_cells} cells; "
@@ -133,7 +134,8 @@ class MixtureSampler:
 @dataclass(frozen=True, eq=False)
 class _Window:
     """A source's fetches in one mixture epoch: fetch ``index[i]`` of plan ``passes[i]``,
-    cut to its read-order cells ``[start[i], stop[i])``."""
+    cut to its read-order cells ``[start[i], stop[i])``.
+    """
 
     plans: dict[int, Plan]
     passes: np.ndarray
@@ -235,9 +237,11 @@ class MixedPlan(Plan):
         return len(self.source)
 
     def fetch_sizes(self) -> np.ndarray:
+        """``int64`` cells per fetch, without building the fetches."""
         return self._sizes
 
     def fetch(self, index: int) -> Fetch:
+        """Fetch ``index``: its source's own fetch, in global cell ids."""
         k = int(self.source[index])
         inner = self._windows[k].fetch(int(self.local[index]))
         return Fetch(index, inner.ranges + self._offsets[k], inner.shuffle_seed)

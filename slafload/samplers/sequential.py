@@ -56,6 +56,7 @@ class Streaming:
         check_int("chunk_cells", self.chunk_cells)
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The epoch's fetches (see :class:`~slafload.samplers.base.Sampler`)."""
         order = np.arange(_n_chunks(n_cells, self.chunk_cells), dtype=np.int64)
         return _ChunkPlan(n_cells, self.chunk_cells, order, None)
 
@@ -76,6 +77,7 @@ class ChunkShuffle:
         check_int("chunk_cells", self.chunk_cells)
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The epoch's fetches (see :class:`~slafload.samplers.base.Sampler`)."""
         rng = np.random.default_rng(derive_seed(seed, epoch, 0))
         order = rng.permutation(_n_chunks(n_cells, self.chunk_cells)).astype(np.int64)
         return _ChunkPlan(n_cells, self.chunk_cells, order, derive_seed(seed, epoch, 1))

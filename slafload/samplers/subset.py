@@ -57,8 +57,8 @@ class Subset:
     @classmethod
     def where(cls, sampler: Sampler, dataset: SlafDataset, predicate: pl.Expr) -> Subset:
         """The cells whose obs row satisfies a Polars predicate, e.g.
-        ``Subset.where(BlockShuffle(), ds, pl.col("plate") != "plate_13")``."""
-
+        ``Subset.where(BlockShuffle(), ds, pl.col("plate") != "plate_13")``.
+        """
         obs = dataset.obs().with_row_index("_row")
         return cls(sampler, obs.filter(predicate).get_column("_row").to_numpy())
 
@@ -85,6 +85,7 @@ class Subset:
         return out
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The wrapped sampler's plan, mapped onto the subset's cells."""
         if len(self._run_cell) and self._run_cell[-1] + np.diff(self._run_pos)[-1] > n_cells:
             raise ValueError(
                 f"the subset holds cell ids up to {self.cell_ids()[-1]}, but the dataset has "

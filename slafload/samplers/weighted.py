@@ -75,7 +75,9 @@ class Weighted(MinibatchFetches):
         replacement: Draw blocks independently (True) or a weighted order without repeats.
         n_draws: Cells per epoch; default: all cells (with replacement) or all cells of
             positive-weight blocks (without).
-        block_size, fetch_factor, batch_size: As in :class:`BlockShuffle`.
+        block_size: As in :class:`BlockShuffle`.
+        fetch_factor: As in :class:`BlockShuffle`.
+        batch_size: As in :class:`BlockShuffle`.
     """
 
     weights: np.ndarray = field(repr=False)
@@ -120,6 +122,7 @@ class Weighted(MinibatchFetches):
         return cls(table[codes], **options)
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The epoch's fetches (see :class:`~slafload.samplers.base.Sampler`)."""
         if n_cells != len(self.weights):
             raise ValueError(
                 f"weights has {len(self.weights)} entries but the dataset has {n_cells} cells; "
@@ -157,8 +160,12 @@ class ClassBalanced(MinibatchFetches):
 
     Args:
         labels: ``int[n_cells]`` class code per cell (e.g. from ``dataset.obs_codes``).
-        replacement, n_draws, block_size, fetch_factor, batch_size: As in :class:`Weighted`;
-            with replacement (the default) rare classes are repeated to match common ones.
+        replacement: As in :class:`Weighted`; with replacement (the default) rare classes are
+            repeated to match common ones.
+        n_draws: As in :class:`Weighted`.
+        block_size: As in :class:`Weighted`.
+        fetch_factor: As in :class:`Weighted`.
+        batch_size: As in :class:`Weighted`.
 
     Use :meth:`from_obs` to balance an obs column of a dataset.
     """
@@ -195,4 +202,5 @@ class ClassBalanced(MinibatchFetches):
         return cls(codes, **options)
 
     def plan(self, n_cells: int, *, seed: int, epoch: int) -> Plan:
+        """The epoch's fetches (see :class:`~slafload.samplers.base.Sampler`)."""
         return self._weighted.plan(n_cells, seed=seed, epoch=epoch)

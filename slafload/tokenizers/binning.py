@@ -58,4 +58,5 @@ class ScGPTFixedBins(ScGPT):
         super().__init__(max_genes=max_genes, n_bins=n_bins, value_offset=value_offset)
 
     def bins(self, ranked: RankedChunk) -> np.ndarray:
+        """Fixed-width value bins of every ranked entry."""
         return fixed_bins(ranked, self.n_bins)

@@ -47,7 +47,8 @@ def _padded(
     buffers: RowBuffers | None, name: str, ends: np.ndarray, width: int, dtype: type, pad=0
 ) -> np.ndarray:
     """``[len(ends), width]`` rows holding ``pad`` from column ``ends[i]`` on (see
-    :meth:`RowBuffers.rows`): from ``buffers`` when given, else newly allocated."""
+    :meth:`RowBuffers.rows`): from ``buffers`` when given, else newly allocated.
+    """
     if buffers is not None:
         return buffers.rows(name, ends, width, np.dtype(dtype), pad)
     return np.full((len(ends), width), pad, dtype=dtype)
@@ -57,7 +58,8 @@ def _fill_rows(
     out: np.ndarray, src: np.ndarray, ranked: RankedChunk, limit: int, first_col: int
 ) -> None:
     """Each read-order cell's first ``limit`` entries of ``src`` into its output row of
-    ``out`` from column ``first_col`` (one slice copy per cell, see :func:`copy_runs`)."""
+    ``out`` from column ``first_col`` (one slice copy per cell, see :func:`copy_runs`).
+    """
     width = out.shape[1]
     dst = ranked.row_of_cell * width + first_col
     copy_runs(out.reshape(-1), dst, src, ranked.indptr[:-1], np.minimum(ranked.lengths, limit))

@@ -34,6 +34,7 @@ class WithValues:
         self.name = f"{tokenizer.name}+{key}"
 
     def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        """The wrapped tokenizer's arrays plus the values aligned with ``input_ids``."""
         out = dict(self.tokenizer(ranked))
         if self.key in out or "input_ids" not in out:
             raise ValueError(

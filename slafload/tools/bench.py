@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,7 @@ class PeakRss:
 
 
 def progress(iterable, **kwargs):
+    """``iterable`` with a tqdm progress bar when tqdm is installed."""
     try:
         from tqdm import tqdm
     except ImportError:
@@ -92,6 +94,7 @@ def progress(iterable, **kwargs):
 
 
 def consume(batches: Iterator[dict[str, Any]], target: int, key: str = "input_ids") -> int:
+    """Draw batches until ``target`` cells arrived; the number of cells drawn."""
     got = 0
     for batch in batches:
         got += len(batch[key])
@@ -102,7 +105,8 @@ def consume(batches: Iterator[dict[str, Any]], target: int, key: str = "input_id
 
 def timed_runs(label: str, run: Callable[[], int], repeats: int) -> dict[str, Any]:
     """Median cells/s, CPU time per cell (every thread of the process) and peak RSS over
-    ``repeats`` runs of ``run`` (returns cells)."""
+    ``repeats`` runs of ``run`` (returns cells).
+    """
     rates, cpu, peaks = [], [], []
     for _ in progress(range(repeats), desc=label, leave=False):
         gc.collect()
@@ -168,6 +172,7 @@ def preset_options(ds: slafload.SlafDataset, name: str, seed: int = 0) -> dict[s
 def slafload_run(
     ds, tokenizer: str, args, target: int, layout: str = "padded", **settings: Any
 ) -> int:
+    """Stream ``target`` cells through a slafload loader; the cells delivered."""
     options = preset_options(ds, tokenizer) if tokenizer in PRESETS else None
     with slafload.Loader(
         ds,
@@ -190,6 +195,7 @@ def slafload_run(
 
 
 def slafdb_run(path: Path, tokenizer: str, args, target: int) -> int:
+    """Stream ``target`` cells through slafdb's loader; the cells delivered."""
     from slaf import SLAFArray
     from slaf.ml.dataloaders import SLAFDataLoader
 
@@ -258,6 +264,7 @@ def profile_stages(ds, tokenizer_name: str, args, n_batches: int = 400) -> dict[
 
 
 def ensure_atlas(args) -> Path:
+    """The benchmark atlas for ``args``, written once and reused."""
     params = {
         "n_cells": args.cells,
         "n_genes": args.genes,
@@ -274,11 +281,12 @@ def ensure_atlas(args) -> Path:
             if all(written.get(k) == v for k, v in params.items()):
                 return path
     print(f"writing synthetic atlas {path} ...", file=sys.stderr)
-    slafload.tools.synthetic.write_atlas(path, overwrite=True, progress=True, **params)
+    slafload.synthetic.write_atlas(path, overwrite=True, progress=True, **params)
     return path
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, Any]:
+    """Run the throughput benchmark from the command line; the report."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--cells", type=int, default=50_000)
     p.add_argument("--genes", type=int, default=20_000)
@@ -327,12 +335,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     ours = BUILTINS + (() if args.no_presets else PRESETS)
     for tok in ours:
         results[f"slafload_{tok}"] = timed_runs(
-            f"slafload {tok}", lambda tok=tok: slafload_run(ds, tok, args, target), args.repeats
+            f"slafload {tok}", partial(slafload_run, ds, tok, args, target), args.repeats
         )
         for layout in layouts if tok in BUILTINS else ():  # presets: their model's layout
             results[f"slafload_{tok}_{layout}"] = timed_runs(
                 f"slafload {tok} {layout}",
-                lambda tok=tok, layout=layout: slafload_run(ds, tok, args, target, layout),
+                partial(slafload_run, ds, tok, args, target, layout),
                 args.repeats,
             )
         # On an accelerator: tokens delivered on the device, tokenized by the producer or there
@@ -341,8 +349,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
                 break
             results[f"slafload_{tok}_{layout}_{on}_on_{args.device}"] = timed_runs(
                 f"slafload {tok} {layout} tokenize_on={on} on {args.device}",
-                lambda tok=tok, layout=layout, on=on: slafload_run(
-                    ds, tok, args, target, layout, tokenize_on=on, device=args.device
+                partial(
+                    slafload_run, ds, tok, args, target, layout, tokenize_on=on, device=args.device
                 ),
                 args.repeats,
             )
@@ -358,7 +366,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         for tok in ("geneformer", "scgpt"):
             results[f"slafdb_{tok}"] = timed_runs(
                 f"slafdb {tok}",
-                lambda tok=tok: slafdb_run(path, tok, args, target),
+                partial(slafdb_run, path, tok, args, target),
                 args.peer_repeats,
             )
 
@@ -431,6 +439,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
 
 
 def print_table(report: dict[str, Any]) -> None:
+    """Print the report as a table."""
     d, s = report["dataset"], report["settings"]
     print(
         f"\n{d['n_cells']:,} cells x {d['n_genes']:,} genes, {d['nnz_per_cell']:.0f} "
@@ -453,6 +462,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
+    """Plot the report's throughputs to a PNG at ``path``."""
     try:
         import matplotlib
 

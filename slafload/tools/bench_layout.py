@@ -169,7 +169,7 @@ def layout_report(
     for tok in tokenizers:
         for on in PLACEMENTS:
             for layout in LAYOUTS:
-                settings = {"tokenize_on": on, "batch_size": batch_size, "max_genes": max_genes,
+                settings: dict[str, Any] = {"tokenize_on": on, "batch_size": batch_size, "max_genes": max_genes,
                             "token_dtype": token_dtype}  # fmt: skip
                 cost = consumer_cost(
                     ds, tok, layout, n_batches=n_batches, step_s=step_s, device=device, **settings

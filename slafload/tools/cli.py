@@ -207,7 +207,7 @@ def _describe(column: pl.Series) -> str:
     if column.dtype.is_numeric():
         if column.null_count() == len(column):
             return f"{dtype}, all null"
-        return f"{dtype}, range [{column.min()}, {column.max()}]"
+        return f"{dtype}, range [{column.min()!s}, {column.max()!s}]"
     values = column.cast(pl.String).unique().sort(nulls_last=True).to_list()
     shown = ", ".join("null" if v is None else str(v) for v in values[:_MAX_CATEGORIES])
     more = f", ... (+{len(values) - _MAX_CATEGORIES} more)" if len(values) > _MAX_CATEGORIES else ""

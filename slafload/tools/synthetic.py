@@ -25,6 +25,7 @@ import pathlib
 import shutil
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -122,7 +123,7 @@ def write_atlas(
     progress
         Show a tqdm bar over cells if tqdm is installed.
 
-    Returns
+    Returns:
     -------
     pathlib.Path
         The dataset directory. Expression rows are sorted by cell then gene with no duplicate
@@ -161,7 +162,11 @@ def write_atlas(
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or not lo <= int(value) <= hi
+    ):
         raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
     return int(value)
 
@@ -277,7 +282,7 @@ def _expression_blocks(
     plate_bounds: np.ndarray,
     reads: np.ndarray,
     value_dtype: str,
-    bar: object | None,
+    bar: Any | None,
 ) -> Iterator[CsrBlock]:
     """Consecutive cell blocks of about _BLOCK_READS reads each."""
     offsets = np.concatenate(([0], np.cumsum(reads)))

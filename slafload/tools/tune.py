@@ -68,6 +68,7 @@ class LabelLayout:
 
     @property
     def n_classes(self) -> int:
+        """Number of classes."""
         return len(self.shares)
 
     @classmethod
@@ -113,6 +114,7 @@ class LabelLayout:
         return cls(name, tuple(float(s) for s in shares), variance)
 
     def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (inverse of :meth:`from_json`)."""
         out = asdict(self)
         out["n_classes"] = self.n_classes
         out["block_variance"] = {str(b): v for b, v in self.block_variance.items()}
@@ -120,6 +122,7 @@ class LabelLayout:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> LabelLayout:
+        """Read a layout written by :meth:`to_json`."""
         variance = {int(b): float(v) for b, v in data["block_variance"].items()}
         return cls(data["name"], tuple(data["shares"]), variance)
 
@@ -208,7 +211,8 @@ def tune(
         label: Obs column whose minibatch diversity matters; ``None``: the ``plate`` column if
             there is one, else ``n_classes`` classes in contiguous storage order.
         n_classes: ``K`` of the contiguous default.
-        block_sizes, fetch_factors: The grid.
+        block_sizes: The grid's block sizes ``b``.
+        fetch_factors: The grid's fetch factors ``f``.
         batch_size: ``m``, the training minibatch size.
         target_gap: Largest acceptable expected entropy gap to random sampling, in bits.
         seconds: Timed seconds per point, after a warm-up of one fetch; a point always times
@@ -217,7 +221,8 @@ def tune(
             a point's ``cells_per_s`` is the median of its runs.
         budget_s: Total time; points still unmeasured when it runs out are reported with
             ``cells_per_s = None``. Points expected to meet the target are measured first.
-        tokenizer, max_genes: As for :class:`~slafload.Loader`.
+        tokenizer: As for :class:`~slafload.Loader`.
+        max_genes: As for :class:`~slafload.Loader`.
         seed: Seed of the loaders and of the block sample behind the label layout.
         progress: Show a progress bar over the grid points.
     """
@@ -245,7 +250,7 @@ def tune(
         "tokenizer": tokenizer, "max_genes": max_genes, "seconds_per_point": seconds,
         "repeats": repeats, "budget_s": budget_s, "seed": seed,
     }  # fmt: skip
-    points = []
+    points: list[dict[str, Any]] = []
     for b in block_sizes:
         for f in fetch_factors:
             sampler = BlockShuffle(block_size=b, fetch_factor=f, batch_size=batch_size)
@@ -296,7 +301,8 @@ def _measure(
 ) -> dict[str, Any]:
     """Steady-state cells/s of one grid point: one fetch of warm-up, then ``seconds`` and at
     least one more fetch, stopping early at the deadline (``cells_per_s = None`` if nothing
-    was timed)."""
+    was timed).
+    """
     from slafload.loader import Loader
 
     sampler = BlockShuffle(block_size=point["block_size"], fetch_factor=point["fetch_factor"],

@@ -15,13 +15,13 @@ import shutil
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import lance
 import numpy as np
 import pyarrow as pa
 
-STORAGE_VERSION = "2.2"  # the Lance file format slafdb 0.5.2's converter pins for SLAF 0.5
+STORAGE_VERSION: Final = "2.2"  # the Lance file format slafdb 0.5.2's converter pins for SLAF 0.5
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,6 +40,7 @@ class CsrBlock:
 
     @property
     def n_cells(self) -> int:
+        """Number of cells in the block."""
         return len(self.indptr) - 1
 
 
@@ -58,6 +59,7 @@ def write_slaf(
     """Write a SLAF dataset at ``path`` and return its path.
 
     Args:
+        path: Directory of the new dataset.
         blocks: Consecutive cell blocks, in cell order; the i-th cell overall gets
             ``cell_integer_id`` i.
         n_genes: Number of genes (columns).
@@ -114,7 +116,7 @@ def _write(
         first_cell = 0
         try:
             for block in blocks:
-                counts = np.diff(np.asarray(block.indptr, dtype=np.int64))
+                counts: np.ndarray = np.diff(np.asarray(block.indptr, dtype=np.int64))
                 lengths.append(counts)
                 for name, column in (block.obs or {}).items():
                     block_obs.setdefault(name, []).append(np.asarray(column))
@@ -135,7 +137,7 @@ def _write(
             raise
 
     reader = pa.RecordBatchReader.from_batches(schema, batches())
-    kwargs = {"max_rows_per_file": max_rows_per_file} if max_rows_per_file else {}
+    kwargs: dict[str, Any] = {"max_rows_per_file": max_rows_per_file} if max_rows_per_file else {}
     try:
         lance.write_dataset(reader, str(path / "expression.lance"), schema=schema,
                             data_storage_version=STORAGE_VERSION, **kwargs)  # fmt: skip

@@ -21,6 +21,7 @@ class LogNormalize:
     target_sum: float = 1e4
 
     def __call__(self, chunk: Chunk) -> Chunk:
+        """``chunk`` with each cell's values scaled to ``target_sum`` and ``log1p``-ed."""
         lengths = np.diff(chunk.indptr)
         cell = np.repeat(np.arange(chunk.n_cells), lengths)
         values = chunk.values.astype(np.float64)

@@ -28,7 +28,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +149,7 @@ def gene_medians(
     gets a block of its own and exceeds the budget. Scans read the pinned Lance version.
 
     Args:
+        dataset: The opened dataset to scan.
         target_sum: Scale every cell to this total (Geneformer: 10,000) before the medians.
         max_values: Non-zero values held in memory at once.
         batch_rows: Rows per Arrow record batch of each scan.
@@ -215,7 +216,8 @@ def _sum_duplicates(
     cell: np.ndarray, gene: np.ndarray, value: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows (``cell`` non-decreasing) with repeated (cell, gene) entries summed, as a chunk
-    sums them (:func:`~slafload.chunk.sort_genes_within_cells`), so medians match loading."""
+    sums them (:func:`~slafload.chunk.sort_genes_within_cells`), so medians match loading.
+    """
     if not len(cell):
         return cell, gene, value
     indptr = np.concatenate([[0], np.flatnonzero(np.diff(cell)) + 1, [len(cell)]])
@@ -268,6 +270,7 @@ class MedianNormalize:
 
     medians: GeneMedians | np.ndarray
     target_sum: float | None = None
+    _scale: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         m = self.medians
@@ -281,6 +284,7 @@ class MedianNormalize:
         object.__setattr__(self, "_scale", np.where(np.isnan(m), 1.0, 1.0 / m))
 
     def __call__(self, chunk: Chunk) -> Chunk:
+        """The chunk with every value divided by its gene's median."""
         scale = self._scale
         if len(chunk.genes) and int(chunk.genes.max()) >= len(scale):
             raise MediansError(

@@ -94,6 +94,7 @@ class Vocabulary:
 
     @property
     def special_tokens(self) -> dict[str, int]:
+        """The special tokens' ids by name."""
         return {"PAD": PAD, "CLS": CLS, "SEP": SEP, "MASK": MASK}
 
     def token_ids(self, genes: list[str] | np.ndarray) -> np.ndarray:
@@ -222,11 +223,13 @@ class GeneRemap:
     @cached_property
     def keeps_order(self) -> bool:
         """Whether the kept genes' vocabulary ids ascend with their dataset ids (e.g. a union
-        vocabulary built from this dataset): then no cell needs re-sorting."""
+        vocabulary built from this dataset): then no cell needs re-sorting.
+        """
         kept = self.mapping[self.mapping >= 0]
         return bool((np.diff(kept) > 0).all())
 
     def __call__(self, chunk: Chunk) -> Chunk:
+        """The chunk with its gene ids mapped through the vocabulary."""
         if len(chunk.genes) and int(chunk.genes.max()) >= len(self.mapping):
             raise VocabularyError(
                 f"chunk holds gene id {int(chunk.genes.max())} but the remap covers "
@@ -265,7 +268,7 @@ def _parse_tsv(text: str, path: Path) -> list[str]:
     lines = text.splitlines()
     if not lines or lines[0] != _TSV_HEADER:
         raise VocabularyError(f"{path}: the first line must be {_TSV_HEADER!r}")
-    genes = []
+    genes: list[str] = []
     for n, line in enumerate(lines[1:], start=2):
         token, _, gene = line.partition("\t")
         if not gene or token != str(len(genes) + GENE_OFFSET):
