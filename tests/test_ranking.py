@@ -83,7 +83,10 @@ def test_key_sort_ranks_exactly_as_the_polars_window_for_every_dtype(monkeypatch
         got, want = rank(chunk), _polars_rank(chunk, monkeypatch)
         for name in ("indptr", "genes", "values"):
             a, b = getattr(got, name), getattr(want, name)
-            assert a.dtype == b.dtype and np.array_equal(a, b), (gene_type, value_type, name)
+            # Older Polars (1.0, the lowest CI tests) hand float16 values back as float32: compare
+            # the values exactly, and the dtype where Polars keeps it.
+            same_dtype = a.dtype == b.dtype or (a.dtype == np.float16 and b.dtype == np.float32)
+            assert same_dtype and np.array_equal(a, b), (gene_type, value_type, name)
         keyed = rank_by_keys(np.array([0, 2]), np.array([1, 2], gene_type), np.ones(2, value_type))
         assert (keyed is None) == (value_type == np.float64)
 

@@ -32,14 +32,21 @@ def busy_dataset(tmp_path_factory):
 
 
 class ChunkSignal:
-    """A chunk transform that sets ``entered`` when the producer starts chunk ``at``."""
+    """A chunk transform that sets ``entered`` when the producer starts chunk ``at``.
 
-    def __init__(self, at: int = 0):
+    With ``hold``, the producer then waits inside that chunk until ``release`` is set, so a
+    test knows the consumer is blocked waiting for a batch.
+    """
+
+    def __init__(self, at: int = 0, *, hold: bool = False):
         self.at, self.seen, self.entered = at, 0, threading.Event()
+        self.hold, self.release = hold, threading.Event()
 
     def __call__(self, chunk):
         if self.seen == self.at:
             self.entered.set()
+            if self.hold:
+                self.release.wait(HANG)
         self.seen += 1
         return chunk
 
@@ -129,17 +136,18 @@ def test_garbage_collecting_the_loader_mid_chunk_stops_the_producer(busy_dataset
 def test_ctrl_c_while_the_consumer_waits_for_a_batch_stops_the_producer(busy_dataset):
     import _thread
 
-    signal = ChunkSignal(at=0)
+    signal = ChunkSignal(at=0, hold=True)  # no batch exists yet: the consumer waits in next()
 
     def interrupt_once_busy() -> None:
         if signal.entered.wait(30):
             _thread.interrupt_main()  # what Ctrl-C does: KeyboardInterrupt in the main thread
+            signal.release.set()  # let the producer go on: only the stop request ends it now
 
     with busy_loader(busy_dataset, signal) as loader:
         iterator = iter(loader)
         threading.Thread(target=interrupt_once_busy, name="ctrl-c").start()
         with pytest.raises(KeyboardInterrupt):
-            while True:  # the first batch needs the whole first chunk: next() blocks
+            while True:  # the first batch waits on the held chunk: next() blocks
                 next(iterator)
         start, at_stop = time.monotonic(), signal.seen
     elapsed = time.monotonic() - start
