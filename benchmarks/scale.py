@@ -55,14 +55,12 @@ def fetch_cells(spec: str, batch_size: int) -> int:
     return -(-f * batch_size // b) * b
 
 
-def child(args: argparse.Namespace) -> dict[str, Any]:
-    """One contender in this process: first batch, then steady cells/s."""
+def make_loader(dataset, args: argparse.Namespace, settings: dict[str, Any]):
+    """An endless, seeded :class:`slafload.Loader` of ``args.spec`` over ``dataset``."""
     from slafload.loader import Loader  # imports torch, as a training script has already
 
-    settings = json.loads(args.settings)
-    t0 = time.perf_counter()
-    loader = Loader(
-        args.dataset,
+    return Loader(
+        dataset,
         sampler=sampler_of(args.spec, args.batch_size),
         batch_size=args.batch_size,
         max_genes=args.max_genes,
@@ -70,6 +68,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         seed=0,
         **settings,
     )
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One contender in this process: first batch, then steady cells/s."""
+    import slafload.loader  # noqa: F401  (torch imported before the clock starts)
+
+    t0 = time.perf_counter()
+    settings = json.loads(args.settings)
+    loader = make_loader(args.dataset, args, settings)
     it = iter(loader)
     got = len(next(it)["input_ids"])
     first = time.perf_counter() - t0

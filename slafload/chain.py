@@ -109,7 +109,9 @@ def build_chain(
         observe: Called with each stage's name as it is built; returns the stage to use.
     """
     cfg, ds = spec.config, spec.dataset
-    lance_reader = ds.reader(batch_rows=cfg.read_batch_rows, direct=cfg.read_data_files)
+    lance_reader = ds.reader(
+        batch_rows=cfg.read_batch_rows, direct=cfg.read_data_files, threads=cfg.read_threads
+    )
     reader = RetryingReader(lance_reader, cfg.retry, uri=ds.uri, sleep=sleep)
     # The run's first part is read as its first few output cells, then the rest: the first
     # batch waits for a handful of cells, not a whole fetch (same cells, same order).

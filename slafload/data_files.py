@@ -10,6 +10,15 @@ read costs on a file whose reader is already open (numbers in docs/sampling.md, 
 (one ``int64`` per data file) and keeps a bounded LRU cache of ``lance.file.LanceFileReader``
 objects, so a range costs one ``read_range`` on an open file.
 
+On an object store a range read is a few sequential requests (each column's page metadata,
+then its data: ~5 for the expression table's three columns), each paying the store's latency,
+and a pylance file reader serves one call at a time. So with ``threads > 1`` (the default for
+``s3://``-style URIs, :data:`REMOTE_THREADS`) the pieces of a fetch are read by one task per
+data file on that many threads, and :meth:`DataFiles.read` returns as soon as they are
+submitted: each range's batches are waited for when they are iterated, so the Read stage's
+read-ahead overlaps the next fetch's requests with this one's compute. Readers on an object
+store share one ``LanceFileSession`` (one client and connection pool) instead of a client each.
+
 Only tables where this is exact take this path: every fragment has exactly one data file
 holding every column, no deletion file, no extra base path, and the data files' schema names
 and types match the dataset's for the columns read. Anything else returns ``None`` from
@@ -20,13 +29,16 @@ from __future__ import annotations
 
 import logging
 import resource
+import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import lance
 import numpy as np
 import pyarrow as pa
-from lance.file import LanceFileReader
+from lance.file import LanceFileReader, LanceFileSession
 
 from slafload.ranges import expand
 
@@ -34,6 +46,22 @@ logger = logging.getLogger(__name__)
 
 MAX_OPEN_FILES = 8192  # upper bound of the reader cache; each open reader holds a descriptor
 STREAMS_AT_ONCE = 128  # read_range streams alive at once (each holds its pages until consumed)
+REMOTE_THREADS = 16  # default threads for object stores: requests wait on latency, not CPU
+
+
+def is_remote(uri: str) -> bool:
+    """Whether ``uri`` names an object store (``s3://``, ``gs://``...) rather than a local path."""
+    return "://" in uri and not uri.startswith("file://")
+
+
+@dataclass(eq=False)
+class _Open:
+    """A cached file reader (``None`` until its first user opens it) and the lock that lets one
+    thread at a time use it (pylance file readers refuse concurrent calls).
+    """
+
+    reader: LanceFileReader | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 def default_max_open() -> int:
@@ -48,8 +76,12 @@ class DataFiles:
     """The data files of a pinned expression table, by dataset row offset.
 
     ``starts[i]`` is the dataset row offset of data file ``i``'s first row (``starts[-1]`` the
-    row count). Not thread safe: one producer thread reads through it (pylance file readers
-    refuse concurrent calls).
+    row count). :meth:`read` is called from one thread (the producer); with ``threads > 1`` it
+    hands the reads to worker threads, each file's reader used by one of them at a time.
+
+    Args:
+        threads: Data files read at once by :meth:`read`; ``None``: :data:`REMOTE_THREADS` on
+            an object store, 1 (all on the calling thread) for local paths.
     """
 
     def __init__(
@@ -58,6 +90,7 @@ class DataFiles:
         starts: np.ndarray,
         storage_options: Mapping[str, str] | None = None,
         max_open: int | None = None,
+        threads: int | None = None,
     ):
         self.paths = list(paths)
         self.starts = np.asarray(starts, dtype=np.int64)
@@ -65,7 +98,17 @@ class DataFiles:
         self.max_open = default_max_open() if max_open is None else max_open
         if self.max_open < 1:
             raise ValueError(f"max_open must be >= 1, got {self.max_open}")
-        self._open: OrderedDict[tuple[int, tuple[str, ...]], LanceFileReader] = OrderedDict()
+        remote = bool(self.paths) and is_remote(self.paths[0])
+        self.threads = (REMOTE_THREADS if remote else 1) if threads is None else threads
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self._open: OrderedDict[tuple[int, tuple[str, ...]], _Open] = OrderedDict()
+        self._lock = threading.Lock()  # guards _open against workers opening readers
+        self._session: LanceFileSession | None = None
+        if remote and len({p.rsplit("/", 1)[0] for p in self.paths}) == 1:
+            self._session = LanceFileSession(
+                self.paths[0].rsplit("/", 1)[0], storage_options=self.storage_options
+            )
 
     @classmethod
     def of(
@@ -74,6 +117,7 @@ class DataFiles:
         columns: Sequence[str],
         storage_options: Mapping[str, str] | None = None,
         max_open: int | None = None,
+        threads: int | None = None,
     ) -> DataFiles | None:
         """The data files of ``expression``'s pinned version, or ``None`` where reading them
         directly would not be exact (see the module docstring).
@@ -98,7 +142,8 @@ class DataFiles:
                 return None
             paths.append(f"{expression.uri.rstrip('/')}/data/{data.path}")
             rows.append(meta.physical_rows)
-        direct = cls(paths, np.concatenate([[0], np.cumsum(rows)]), storage_options, max_open)
+        starts = np.concatenate([[0], np.cumsum(rows)])
+        direct = cls(paths, starts, storage_options, max_open, threads)
         try:
             stored = direct._reader(0, tuple(columns)).metadata().schema
         except Exception as exc:  # an unreadable file is the scan's to report, not ours
@@ -133,17 +178,19 @@ class DataFiles:
         hi = np.minimum(rows[which, 1], self.starts[file + 1])
         return which, file, lo - self.starts[file], hi - lo
 
-    def read(self, rows: np.ndarray, columns: Sequence[str]) -> list[list[pa.RecordBatch]]:
-        """The batches of every row range (non-empty ``int64[k, 2]``), one list per range.
+    def read(self, rows: np.ndarray, columns: Sequence[str]) -> list[Sequence[pa.RecordBatch]]:
+        """The batches of every row range (non-empty ``int64[k, 2]``), one sequence per range.
 
-        Streams are created :data:`STREAMS_AT_ONCE` at a time before any of them is consumed,
-        so Lance schedules their I/O together (1.9x faster than one by one, measured) while
-        the pages they hold stay bounded: all 8k streams of a fetch of single cells at once
-        peaked at 3 GB of RSS.
+        With one thread, streams are created :data:`STREAMS_AT_ONCE` at a time before any of
+        them is consumed, so Lance schedules their I/O together (1.9x faster than one by one,
+        measured) while the pages they hold stay bounded: all 8k streams of a fetch of single
+        cells at once peaked at 3 GB of RSS. With more, see :meth:`_read_threaded`.
         """
+        if self.threads > 1:
+            return self._read_threaded(rows, tuple(columns))
         cols = tuple(columns)
         which, file, lo, n = self.pieces(rows)
-        out: list[list[pa.RecordBatch]] = [[] for _ in range(len(rows))]
+        out: list[Sequence[pa.RecordBatch]] = [[] for _ in range(len(rows))]
         pieces = list(zip(which.tolist(), file.tolist(), lo.tolist(), n.tolist(), strict=True))
         for start in range(0, len(pieces), STREAMS_AT_ONCE):
             window = pieces[start : start + STREAMS_AT_ONCE]
@@ -152,19 +199,89 @@ class DataFiles:
                 for _, f, a, m in window
             ]
             for (w, *_), stream in zip(window, streams, strict=True):
-                out[w].extend(b for b in stream if b.num_rows)
+                out[w] = [*out[w], *(b for b in stream if b.num_rows)]
         return out
 
-    def _reader(self, index: int, columns: tuple[str, ...]) -> LanceFileReader:
-        key = (index, columns)
-        reader = self._open.get(key)
-        if reader is not None:
-            self._open.move_to_end(key)
-            return reader
-        reader = LanceFileReader(
-            self.paths[index], storage_options=self.storage_options, columns=list(columns)
+    def _read_threaded(
+        self, rows: np.ndarray, cols: tuple[str, ...]
+    ) -> list[Sequence[pa.RecordBatch]]:
+        """One task per data file (its pieces in order) on ``threads`` threads, submitted now.
+
+        Returns at once: each range's sequence waits for its files' tasks when iterated and
+        raises their errors there. The pool's threads end when its tasks are done (the pool is
+        shut down without waiting), so nothing outlives a fetch that is dropped half read.
+        """
+        which, file, lo, n = self.pieces(rows)
+        by_file: dict[int, list[tuple[int, int]]] = {}
+        for f, a, m in zip(file.tolist(), lo.tolist(), n.tolist(), strict=True):
+            by_file.setdefault(f, []).append((a, m))
+        pool = ThreadPoolExecutor(min(self.threads, len(by_file)), "slafload-read")
+        try:
+            tasks = {f: pool.submit(self._read_file, f, cols, p) for f, p in by_file.items()}
+        finally:
+            pool.shutdown(wait=False)
+        taken = dict.fromkeys(by_file, 0)
+        parts: list[list[tuple[Future, int]]] = [[] for _ in range(len(rows))]
+        for w, f in zip(which.tolist(), file.tolist(), strict=True):
+            parts[w].append((tasks[f], taken[f]))
+            taken[f] += 1
+        return [_Pending(p) for p in parts]
+
+    def _read_file(
+        self, index: int, cols: tuple[str, ...], pieces: list[tuple[int, int]]
+    ) -> list[list[pa.RecordBatch]]:
+        entry = self._entry(index, cols)
+        with entry.lock:
+            if entry.reader is None:
+                entry.reader = self._new_reader(index, cols)
+            return [
+                [b for b in entry.reader.read_range(a, m, batch_size=m).to_batches() if b.num_rows]
+                for a, m in pieces
+            ]
+
+    def _entry(self, index: int, cols: tuple[str, ...]) -> _Open:
+        key = (index, cols)
+        with self._lock:
+            entry = self._open.get(key)
+            if entry is not None:
+                self._open.move_to_end(key)
+                return entry
+            entry = self._open[key] = _Open()
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)  # a thread using it keeps its reference
+            return entry
+
+    def _new_reader(self, index: int, cols: tuple[str, ...]) -> LanceFileReader:
+        if self._session is not None:
+            return self._session.open_reader(self.paths[index].rsplit("/", 1)[1], list(cols))
+        return LanceFileReader(
+            self.paths[index], storage_options=self.storage_options, columns=list(cols)
         )
-        self._open[key] = reader
-        while len(self._open) > self.max_open:
-            self._open.popitem(last=False)
-        return reader
+
+    def _reader(self, index: int, columns: tuple[str, ...]) -> LanceFileReader:
+        entry = self._entry(index, columns)
+        if entry.reader is None:
+            entry.reader = self._new_reader(index, columns)
+        return entry.reader
+
+
+class _Pending(Sequence[pa.RecordBatch]):
+    """One range's batches: its pieces' slots in their files' task results, waited for on use."""
+
+    def __init__(self, parts: list[tuple[Future, int]]):
+        self._parts = parts
+        self._batches: list[pa.RecordBatch] | None = None
+
+    def _all(self) -> list[pa.RecordBatch]:
+        if self._batches is None:
+            self._batches = [b for task, k in self._parts for b in task.result()[k]]
+        return self._batches
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __getitem__(self, i):
+        return self._all()[i]

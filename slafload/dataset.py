@@ -133,11 +133,13 @@ class SlafDataset:
         )
         return codes.to_numpy(), categories.to_list()
 
-    def reader(self, *, batch_rows: int = 1 << 20, direct: bool = True) -> Reader:
+    def reader(
+        self, *, batch_rows: int = 1 << 20, direct: bool = True, threads: int | None = None
+    ) -> Reader:
         """The Lance reader of this dataset's fetches (a mixture brings one per source)."""
         from slafload.reader import Reader
 
-        return Reader(self, batch_rows=batch_rows, direct=direct)
+        return Reader(self, batch_rows=batch_rows, direct=direct, threads=threads)
 
     def row_bytes(self, columns: list[str]) -> int:
         """Bytes of one expression row of ``columns``, as the memory budget counts them."""

@@ -208,9 +208,13 @@ class Mixture:
         """None: each source keeps its own storage options."""
         return None
 
-    def reader(self, *, batch_rows: int = 1 << 20, direct: bool = True) -> MixedReader:
+    def reader(
+        self, *, batch_rows: int = 1 << 20, direct: bool = True, threads: int | None = None
+    ) -> MixedReader:
         """The Lance reader of the mixture: each fetch read from its own source."""
-        return MixedReader(self.offsets, self.datasets, batch_rows=batch_rows, direct=direct)
+        return MixedReader(
+            self.offsets, self.datasets, batch_rows=batch_rows, direct=direct, threads=threads
+        )
 
     def row_bytes(self, columns: list[str]) -> int:
         """Bytes of the widest source's expression row, as the memory budget counts them."""

@@ -62,12 +62,23 @@ class Reader:
         direct: Read short spans from the data files with open file readers
             (:mod:`slafload.data_files`) where that is exact; ``False`` always uses
             ``take_scan``.
+        threads: Data files the direct path reads at once (:class:`DataFiles`); ``None``
+            picks by storage (more on object stores).
     """
 
-    def __init__(self, dataset: SlafDataset, *, batch_rows: int = 1 << 20, direct: bool = True):
+    def __init__(
+        self,
+        dataset: SlafDataset,
+        *,
+        batch_rows: int = 1 << 20,
+        direct: bool = True,
+        threads: int | None = None,
+    ):
         check_int("batch_rows", batch_rows)
+        check_int("threads", threads, none_ok=True)
         self.dataset = dataset
         self.batch_rows = batch_rows
+        self.threads = threads
         self._direct = direct
         self._files: DataFiles | None = None
 
@@ -75,7 +86,10 @@ class Reader:
         """The direct data-file path, looked up on first use; ``None`` where it is not exact."""
         if self._direct and self._files is None:
             self._files = DataFiles.of(
-                self.dataset.expression, COLUMNS, storage_options=self.dataset.storage_options
+                self.dataset.expression,
+                COLUMNS,
+                storage_options=self.dataset.storage_options,
+                threads=self.threads,
             )
             self._direct = self._files is not None
         return self._files

@@ -102,9 +102,12 @@ class MixedReader:
         *,
         batch_rows: int = 1 << 20,
         direct: bool = True,
+        threads: int | None = None,
     ):
         self.offsets = offsets
-        self.readers = [ds.reader(batch_rows=batch_rows, direct=direct) for ds in datasets]
+        self.readers = [
+            ds.reader(batch_rows=batch_rows, direct=direct, threads=threads) for ds in datasets
+        ]
 
     def read(self, fetch: Fetch) -> Iterator[pa.RecordBatch]:
         """The record batches of ``fetch``, read from its source, with global cell ids."""

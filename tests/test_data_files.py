@@ -76,15 +76,51 @@ def test_pieces_cut_ranges_at_file_boundaries():
     assert n.tolist() == [5, 10, 5, 1, 1]
 
 
-def test_direct_reads_in_a_loader_deliver_the_same_batches(dataset):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_direct_reads_in_a_loader_deliver_the_same_batches(dataset, threads):
     from slafload import Loader
 
     sampler = BlockShuffle(block_size=3, fetch_factor=4, batch_size=16)
     runs = []
     for direct in (True, False):
         with Loader(dataset, sampler=sampler, batch_size=16, max_genes=8,
-                    read_data_files=direct) as loader:  # fmt: skip
+                    read_data_files=direct, read_threads=threads) as loader:  # fmt: skip
             runs.append([b["input_ids"].numpy() for b in loader])
     assert len(runs[0]) == len(runs[1])
     for a, b in zip(*runs, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_threaded_reads_match_take_scan_with_a_reader_cache_smaller_than_the_fetch(dataset):
+    files = DataFiles.of(dataset.expression, COLUMNS, max_open=2, threads=4)
+    assert files is not None and files.threads == 4
+    rng = np.random.default_rng(3)
+    starts = np.sort(rng.choice(dataset.n_rows - 400, size=40, replace=False))
+    rows = np.stack([starts, starts + rng.integers(1, 400, size=40)], axis=1)
+    for _ in range(2):  # the second time through, readers are reused and evicted again
+        got = files.read(rows, COLUMNS)
+        for (a, b), batches in zip(rows.tolist(), got, strict=True):
+            want = pa.Table.from_batches(list(dataset.expression._ds.take_scan([(a, b)], COLUMNS)))
+            assert pa.Table.from_batches(list(batches)).equals(want)
+    assert len(files._open) == 2
+
+
+def test_a_threaded_read_that_fails_raises_when_its_range_is_used(dataset):
+    files = DataFiles.of(dataset.expression, COLUMNS, threads=2)
+    broken = int(np.searchsorted(files.starts, 1000, side="right")) - 1
+    files.paths[broken] = files.paths[broken] + ".missing"
+    got = files.read(np.array([[0, 5], [1000, 1001]], dtype=np.int64), COLUMNS)
+    assert sum(b.num_rows for b in got[0]) == 5
+    with pytest.raises(Exception, match="missing|not found|No such file"):
+        list(got[1])
+
+
+def test_reads_use_threads_by_default_only_on_object_stores(dataset):
+    from slafload.data_files import REMOTE_THREADS, is_remote
+
+    assert DataFiles.of(dataset.expression, COLUMNS).threads == 1
+    assert REMOTE_THREADS > 1
+    assert is_remote("s3://bucket/a.slaf") and is_remote("gs://b/x")
+    assert not is_remote("/tmp/a.slaf") and not is_remote("file:///tmp/a.slaf")
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        DataFiles(["a"], np.array([0, 10]), threads=0)

@@ -8,10 +8,14 @@ yields exactly the tokens of the local copy.
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from conftest import random_counts, write_dense
 
 from slafload import ConfigError, Loader, open_dataset
+from slafload.data_files import REMOTE_THREADS
+from slafload.reader import COLUMNS, Reader
+from slafload.samplers import BlockShuffle
 
 boto3 = pytest.importorskip("boto3")
 moto_server = pytest.importorskip("moto.server")
@@ -38,8 +42,9 @@ def upload(directory, endpoint: str, bucket: str, prefix: str) -> str:
     return f"s3://{bucket}/{prefix}"
 
 
-def tokens(dataset, tokenizer: str) -> list[dict[str, np.ndarray]]:
-    with Loader(dataset, tokenizer=tokenizer, batch_size=16, chunk_cells=40, seed=4) as loader:
+def tokens(dataset, tokenizer: str, **settings) -> list[dict[str, np.ndarray]]:
+    with Loader(dataset, tokenizer=tokenizer, batch_size=16, chunk_cells=40, seed=4,
+                **settings) as loader:  # fmt: skip
         return [{k: v.numpy() for k, v in batch.items()} for batch in loader]
 
 
@@ -52,8 +57,15 @@ def test_a_dataset_on_s3_yields_the_tokens_of_its_local_copy(tmp_path, s3_endpoi
     remote = open_dataset(uri, storage_options=options)
     assert remote.uri == uri and remote.n_cells == 90 and remote.n_genes == 30
     np.testing.assert_array_equal(remote.cell_start, open_dataset(local).cell_start)
-    for tokenizer in ("geneformer", "scgpt"):
-        want, got = tokens(local, tokenizer), tokens(remote, tokenizer)
+    files = Reader(remote).data_files()  # direct reads work against s3:// with options
+    assert files is not None and files.n_files > 1 and files.threads == REMOTE_THREADS
+    rows = np.array([[0, 7], [150, 420], [600, 601]], dtype=np.int64)  # across files
+    local_files = Reader(open_dataset(local)).data_files()
+    for got, want in zip(files.read(rows, COLUMNS), local_files.read(rows, COLUMNS), strict=True):
+        assert pa.Table.from_batches(list(got)).equals(pa.Table.from_batches(list(want)))
+    blocks = {"sampler": BlockShuffle(block_size=3, fetch_factor=2, batch_size=16)}
+    for tokenizer, settings in [("geneformer", {}), ("scgpt", {}), ("scgpt", blocks)]:
+        want, got = tokens(local, tokenizer, **settings), tokens(remote, tokenizer, **settings)
         assert len(want) == len(got) == 6
         for a, b in zip(want, got, strict=True):
             assert a.keys() == b.keys()
