@@ -7,14 +7,16 @@ changes.
 
 - ``LanceDataset._ds.take_scan``: reads many row ranges in one call with read-ahead on Lance's
   own threads (private; no public equivalent streams ranges in order).
+- ``lance.file.LanceFileSession`` (newer pylance only): one object-store client shared by the
+  file readers of a dataset; older releases open each file reader with its own client.
 - ``LazyFrame.collect(background=True)``: runs a query on Polars' thread pool and returns a
   handle (documented as unstable), so Polars ranks one piece while numpy tokenizes another.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import lance
 import polars as pl
@@ -45,3 +47,14 @@ class BackgroundQuery(Protocol):
 def collect_in_background(query: pl.LazyFrame) -> BackgroundQuery:
     """Start ``query`` on Polars' thread pool; the GIL is free while it runs."""
     return query.collect(background=True)
+
+
+def file_session(base: str, storage_options: Mapping[str, str] | None) -> Any | None:
+    """A ``LanceFileSession`` on ``base`` (readers opened through it share one client), or
+    ``None`` on pylance releases that lack it.
+    """
+    try:
+        from lance.file import LanceFileSession
+    except ImportError:
+        return None
+    return LanceFileSession(base, storage_options=dict(storage_options or {}) or None)

@@ -34,12 +34,14 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import lance
 import numpy as np
 import pyarrow as pa
-from lance.file import LanceFileReader, LanceFileSession
+from lance.file import LanceFileReader
 
+from slafload._compat import file_session
 from slafload.ranges import expand
 
 logger = logging.getLogger(__name__)
@@ -104,11 +106,10 @@ class DataFiles:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self._open: OrderedDict[tuple[int, tuple[str, ...]], _Open] = OrderedDict()
         self._lock = threading.Lock()  # guards _open against workers opening readers
-        self._session: LanceFileSession | None = None
+        self._session: Any | None = None  # a LanceFileSession where pylance has one
         if remote and len({p.rsplit("/", 1)[0] for p in self.paths}) == 1:
-            self._session = LanceFileSession(
-                self.paths[0].rsplit("/", 1)[0], storage_options=self.storage_options
-            )
+            base = self.paths[0].rsplit("/", 1)[0]
+            self._session = file_session(base, self.storage_options)
 
     @classmethod
     def of(
