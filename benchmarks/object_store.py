@@ -29,7 +29,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -42,6 +41,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from scale import fetch_cells, make_loader, progress  # noqa: E402
+
+from slafload.tools.bench import machine, save_report  # noqa: E402
 
 KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
 REGION = "us-east-1"
@@ -255,20 +256,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "upload": uploaded,
         "wall_s": time.perf_counter() - started,
         "page_cache": "warm (the atlas is read once by the upload; moto holds it in memory)",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "option_sets": {k: {"settings": v[0], "env": v[1]} for k, v in OPTION_SETS.items()},
         "runs": runs,
         "summary": summarize(runs),
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print_table(report)
-    plot(report, out.with_suffix(".png"))
+    out = save_report(report, args.out, print_table, plot)
     print(f"\nwrote {out} ({report['wall_s']:.0f} s in all)", file=sys.stderr)
     return report
 

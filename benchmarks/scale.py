@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -33,6 +32,8 @@ import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
+
+from slafload.tools.bench import machine, save_report
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = (1, 16, 64, 256)
@@ -209,19 +210,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "settings": {k: v for k, v in vars(args).items() if k not in {"child", "dataset", "spec"}},
         "page_cache": "warm after the first contender (each atlas fits in RAM)",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        "machine": machine(),
         "runs": runs,
         "plans": plans,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print_table(report)
-    plot(report, out.with_suffix(".png"))
+    out = save_report(report, args.out, print_table, plot)
     print(f"\nwrote {out}", file=sys.stderr)
     return report
 

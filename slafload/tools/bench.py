@@ -422,20 +422,36 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
             step_s=args.step_ms / 1e3,
             device=args.device,
         ),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        "machine": machine(),
         "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print_table(report)
-    plot(report, out.with_suffix(".png"))
+    out = save_report(report, args.out, print_table, plot)
     print(f"\nwrote {out}", file=sys.stderr)
     return report
+
+
+def machine() -> dict[str, Any]:
+    """The machine a benchmark ran on, for its JSON report."""
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def save_report(
+    report: dict[str, Any],
+    out: str | Path,
+    table: Callable[[dict[str, Any]], None],
+    draw: Callable[[dict[str, Any], Path], None],
+) -> Path:
+    """Write ``report`` as JSON to ``out``, print its table and draw its PNG beside it."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    table(report)
+    draw(report, out.with_suffix(".png"))
+    return out
 
 
 def print_table(report: dict[str, Any]) -> None:
