@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+_HUGE = 4 << 20  # numpy advises huge pages for arrays this large (see :func:`fresh`)
 _FREE = 2  # references to a pooled array nobody else holds: the entry's and getrefcount's
 _scratch = threading.local()
 
@@ -44,6 +46,38 @@ def scratch(name: str, n: int, dtype: npt.DTypeLike) -> np.ndarray:
     return array[:n]
 
 
+def fresh(shape: int | tuple[int, ...], dtype: npt.DTypeLike, fill=None) -> np.ndarray:
+    """A new array for the hot path (``fill`` it, or leave it uninitialised).
+
+    numpy asks the kernel for transparent huge pages on every array of 4 MiB or more
+    (``madvise(MADV_HUGEPAGE)``). Where THP's defrag setting is ``madvise`` (Ubuntu's and
+    Debian's default), each first touch of such an array may stall in memory compaction once
+    the page cache holds most of RAM, as it does while streaming an atlas: a fresh padded
+    ``[2048, 2050]`` ``int64`` array cost 46-75 ms that way against 6 ms through torch's CPU
+    allocator, which does not advise huge pages (measured in docs/benchmarks.md). Arrays that
+    large are therefore allocated by torch and returned as numpy views of its storage (they
+    become torch tensors in the end anyway); smaller ones by numpy.
+    """
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    if count * dtype.itemsize < _HUGE:
+        return np.empty(shape, dtype) if fill is None else np.full(shape, fill, dtype)
+    import torch
+
+    # Not a reshaped view: views of this array must name it as their base, or the reference
+    # counts that RowBuffers relies on would not see them.
+    array = torch.empty(shape, dtype=_torch_dtype(dtype)).numpy()
+    if fill is not None:
+        array.fill(fill)
+    return array
+
+
+def _torch_dtype(dtype: np.dtype):
+    import torch
+
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
 @dataclass(eq=False)
 class _Entry:
     array: np.ndarray  # [rows, width], owns its data
@@ -55,10 +89,14 @@ class RowBuffers:
 
     Args:
         keep: Arrays kept per key; more are allocated (and dropped) when all are in use.
+        rows: Rows each kept array is allocated with, at least (the largest piece the
+            caller will ask for: a run's small first piece then does not take a slot that
+            later pieces cannot use). A free kept array too small for a request is
+            replaced by a larger one.
     """
 
-    def __init__(self, keep: int = 4):
-        self.keep = keep
+    def __init__(self, keep: int = 4, rows: int = 0):
+        self.keep, self.min_rows = keep, rows
         self._pools: dict[tuple, list[_Entry]] = {}
         self._lock = threading.Lock()
 
@@ -78,10 +116,14 @@ class RowBuffers:
                 (e for e in pool if len(e.array) >= n and sys.getrefcount(e.array) == _FREE), None
             )
             if entry is None:
-                array = np.full((n, width), pad, dtype=dtype)
+                small = [e for e in pool if sys.getrefcount(e.array) == _FREE]
+                if len(pool) >= self.keep and small:
+                    pool.remove(small[0])  # free but too small: make room for a larger one
                 if len(pool) >= self.keep:
-                    return array
-                entry = _Entry(array, np.zeros(n, dtype=np.int64))
+                    return fresh((n, width), dtype, pad)
+                capacity = max(n, self.min_rows)
+                array = fresh((capacity, width), dtype, pad)
+                entry = _Entry(array, np.zeros(capacity, dtype=np.int64))
                 pool.append(entry)
             out = entry.array[:n]
             _repad(out, entry.ends[:n], ends, pad)
@@ -108,5 +150,30 @@ def copy_runs(
     costs a fifteenth of a scatter through expanded flat indices, which must first build and
     then read an index per token (measured in docs/benchmarks.md).
     """
-    for d, s, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True):
-        dst[d : d + n] = src[s : s + n]
+    copy_aligned_runs([(dst, src)], dst_starts, src_starts, lengths)
+
+
+def copy_aligned_runs(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_starts: np.ndarray,
+    src_starts: np.ndarray, lengths: np.ndarray,
+) -> None:  # fmt: skip
+    """:func:`copy_runs` for aligned streams: ``dst[d : d + n] = src[s : s + n]`` for every
+    ``(dst, src)`` of ``pairs`` and every ``(d, s, n)``, in one loop over the runs.
+
+    Aligned streams (scGPT's gene ids and value bins, raw's gene ids and values) share their
+    run offsets, so the loop's per-run Python cost is paid once, not once per stream.
+    """
+    runs = zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True)
+    if len(pairs) == 1:
+        ((dst, src),) = pairs
+        for d, s, n in runs:
+            dst[d : d + n] = src[s : s + n]
+    elif len(pairs) == 2:
+        (dst, src), (dst2, src2) = pairs
+        for d, s, n in runs:
+            dst[d : d + n] = src[s : s + n]
+            dst2[d : d + n] = src2[s : s + n]
+    else:
+        for d, s, n in runs:
+            for out, source in pairs:
+                out[d : d + n] = source[s : s + n]

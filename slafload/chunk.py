@@ -74,12 +74,12 @@ def assemble(
     row_cells = _column(table, "cell_integer_id")
     genes = _column(table, "gene_integer_id")
     values = _column(table, "value")
-    expected = np.repeat(cell_ids.astype(row_cells.dtype, copy=False), lengths)
-    if not np.array_equal(row_cells, expected):
-        bad = int(np.flatnonzero(row_cells != expected)[0])
+    bad = _misplaced_row(row_cells, cell_ids, indptr, fetch.ranges)
+    if bad is not None:
+        expected = cell_ids[np.searchsorted(indptr, bad, side="right") - 1]
         raise InconsistentDataError(
             f"{where}: row {bad} of the chunk belongs to cell {row_cells[bad]} but "
-            f"cell_start_index places it in cell {expected[bad]}. Expression rows must be "
+            f"cell_start_index places it in cell {expected}. Expression rows must be "
             "sorted by cell_integer_id and agree with cells.cell_start_index."
         )
     if n_genes is not None:
@@ -89,6 +89,29 @@ def assemble(
     return Chunk(
         fetch.index, cell_ids, indptr, genes, values, np.arange(len(cell_ids), dtype=np.int64)
     )
+
+
+def _misplaced_row(
+    row_cells: np.ndarray, cell_ids: np.ndarray, indptr: np.ndarray, ranges: np.ndarray
+) -> int | None:
+    """The first row whose ``cell_integer_id`` is not the cell ``indptr`` places it in.
+
+    Checked exactly without building the expected column: every non-empty cell's first and
+    last rows hold its id, and ids never decrease within a range of consecutive cells, so
+    every row between a cell's first and last holds its id too. That is a few gathers and one
+    comparison pass (no multi-megabyte temporary); only data that fails is compared in full.
+    """
+    starts, stops = indptr[:-1], indptr[1:]
+    full = stops > starts
+    ids = cell_ids[full]
+    if (row_cells[starts[full]] == ids).all() and (row_cells[stops[full] - 1] == ids).all():
+        ascending = row_cells[1:] >= row_cells[:-1]
+        range_first = indptr[np.cumsum(ranges[:, 1] - ranges[:, 0])[:-1]]
+        ascending[range_first[(range_first > 0) & (range_first < len(row_cells))] - 1] = True
+        if ascending.all():
+            return None
+    expected = np.repeat(cell_ids.astype(row_cells.dtype, copy=False), stops - starts)
+    return int(np.flatnonzero(row_cells != expected)[0])
 
 
 def shuffle(chunk: Chunk, seed: int | None) -> Chunk:

@@ -243,7 +243,7 @@ def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig) -> TokenStage:
         from slafload.device_tokenize import DeviceTokens
 
         return DeviceTokens(tokenizer, layout)
-    return HostTokens(tokenizer, layout)
+    return HostTokens(tokenizer, layout, RowBuffers(rows=config.piece_cells))
 
 
 class LayOut(Stage[dict[str, np.ndarray]]):

@@ -18,9 +18,10 @@ from typing import Any, cast
 
 import numpy as np
 
-from slafload.buffers import copy_runs, scratch
+from slafload.buffers import copy_aligned_runs, fresh
 from slafload.errors import LayoutError
-from slafload.tokenizers import CLS, GENE_OFFSET, SEP, Geneformer, Raw, ScGPT, Tokenizer
+from slafload.tokenizers import CLS, SEP, Geneformer, Raw, ScGPT, Tokenizer
+from slafload.tokenizers.builtin import gene_tokens
 from slafload.types import RankedChunk
 
 RAGGED_KEY = "tokens"  # the key a piece's Ragged travels under until the layout expands it
@@ -75,11 +76,9 @@ class Ragged:
         """Each stream as ``[n, width]`` rows padded with its pad value (rows must fit)."""
         n, lengths = len(self), self.lengths
         dst, src = np.arange(n, dtype=np.int64) * width, self.offsets[:-1]
-        out = {}
-        for key, stream in self.streams.items():
-            rows = np.full((n, width), self.pads[key], dtype=stream.dtype)
-            copy_runs(rows.reshape(-1), dst, stream, src, lengths)
-            out[key] = rows
+        out = {k: fresh((n, width), v.dtype, self.pads[k]) for k, v in self.streams.items()}
+        pairs = [(out[k].reshape(-1), v) for k, v in self.streams.items()]
+        copy_aligned_runs(pairs, dst, src, lengths)
         return out
 
 
@@ -132,39 +131,38 @@ def _copy_genes(
     ``starts[row_of_cell[c]] + first + rank``: one slice copy per cell and stream.
     """
     dst, src = starts[ranked.row_of_cell] + first, ranked.indptr[:-1]
-    counts = np.minimum(ranked.lengths, limit)
-    for stream, source in streams:
-        copy_runs(stream, dst, source, src, counts)
+    copy_aligned_runs(streams, dst, src, np.minimum(ranked.lengths, limit))
 
 
 def _sentences(
-    ranked: RankedChunk, limit: int, width: int, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
+    ranked: RankedChunk, limit: int, width: int, dtype: np.dtype,
+    aligned: Sequence[tuple[np.dtype, np.ndarray]] = (),
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:  # fmt: skip
     """Offsets and ids of ``[CLS] g1..gk [SEP]`` rows (``SEP`` only where it fits in
-    ``width``), ``k <= limit``; aligned streams are filled by :func:`_copy_genes`.
+    ``width``), ``k <= limit``, and one zero-padded stream per ``(dtype, source)`` of
+    ``aligned``, whose genes' entries are filled in the same loop (:func:`_copy_genes`).
     """
     kept = ranked.output_lengths(limit)
     sep = kept + 1 < width
     offsets = _offsets(kept + 1 + sep)
     starts = offsets[:-1]
-    ids = np.empty(offsets[-1], dtype=dtype)  # CLS, genes and SEP cover every slot
+    ids = fresh(int(offsets[-1]), dtype)  # CLS, genes and SEP cover every slot
     ids[starts] = CLS
-    tokens = scratch("gene_tokens", len(ranked.genes), dtype)
-    np.add(ranked.genes, GENE_OFFSET, out=tokens, dtype=dtype, casting="unsafe")
-    _copy_genes([(ids, tokens)], ranked, starts, limit, first=1)
+    streams = [fresh(int(offsets[-1]), t, 0) for t, _ in aligned]
+    pairs = [(ids, gene_tokens(ranked)), *zip(streams, (a for _, a in aligned), strict=True)]
+    _copy_genes(pairs, ranked, starts, limit, first=1)
     ids[(starts + 1 + kept)[sep]] = SEP
-    return offsets, ids
+    return offsets, ids, streams
 
 
 def _geneformer(tok: Geneformer, ranked: RankedChunk, dtype: np.dtype) -> dict:
-    offsets, ids = _sentences(ranked, tok.max_genes - 1, tok.max_genes, dtype)
+    offsets, ids, _ = _sentences(ranked, tok.max_genes - 1, tok.max_genes, dtype)
     return {RAGGED_KEY: Ragged(offsets, {"input_ids": ids}, {"input_ids": 0})}
 
 
 def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype) -> dict:
-    offsets, ids = _sentences(ranked, tok.max_genes, tok.max_genes + 2, dtype)
-    values = np.zeros(len(ids), dtype=dtype)
-    _copy_genes([(values, tok.value_tokens(ranked))], ranked, offsets[:-1], tok.max_genes, 1)
+    aligned = [(dtype, tok.value_tokens(ranked))]
+    offsets, ids, (values,) = _sentences(ranked, tok.max_genes, tok.max_genes + 2, dtype, aligned)
     streams = {"input_ids": ids, "values": values}
     return {RAGGED_KEY: Ragged(offsets, streams, {"input_ids": 0, "values": 0})}
 
@@ -172,8 +170,8 @@ def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype) -> dict:
 def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype) -> dict:
     lengths = ranked.output_lengths(tok.max_genes)
     offsets = _offsets(lengths)
-    genes = np.empty(offsets[-1], dtype=dtype)
-    values = np.empty(offsets[-1], dtype=np.float32)
+    genes = fresh(int(offsets[-1]), dtype)
+    values = fresh(int(offsets[-1]), np.float32)
     pairs = [(genes, ranked.genes), (values, ranked.values)]
     _copy_genes(pairs, ranked, offsets[:-1], tok.max_genes, first=0)
     streams, pads = {"gene_ids": genes, "values": values}, {"gene_ids": -1, "values": 0}

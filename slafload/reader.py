@@ -70,7 +70,7 @@ class Reader:
         self,
         dataset: SlafDataset,
         *,
-        batch_rows: int = 1 << 20,
+        batch_rows: int = 1 << 22,
         direct: bool = True,
         threads: int | None = None,
     ):

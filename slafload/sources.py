@@ -100,7 +100,7 @@ class MixedReader:
         offsets: np.ndarray,
         datasets: Sequence[SlafDataset],
         *,
-        batch_rows: int = 1 << 20,
+        batch_rows: int = 1 << 22,
         direct: bool = True,
         threads: int | None = None,
     ):

@@ -3,34 +3,65 @@
 from __future__ import annotations
 
 import gc
+import sys
 
 import numpy as np
+import pytest
 import torch
 
 import slafload
-from slafload.buffers import RowBuffers, copy_runs
+from slafload.buffers import RowBuffers, copy_runs, fresh
 
 
 def _address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
 
-def test_an_array_comes_back_only_after_every_view_and_tensor_of_it_is_released():
+@pytest.mark.parametrize("width", [4, 1 << 20])  # numpy's array, and torch's (>= 4 MiB)
+def test_an_array_comes_back_only_after_every_view_and_tensor_of_it_is_released(width):
     pool = RowBuffers(keep=2)
     ends = np.array([3, 1])
-    first = pool.rows("ids", ends, 4, np.dtype(np.int64))
+    first = pool.rows("ids", ends, width, np.dtype(np.int64))
     one = _address(first)
     tensor = torch.from_numpy(first[1:])  # what a batch of it becomes
     del first
-    second = pool.rows("ids", ends, 4, np.dtype(np.int64))
+    second = pool.rows("ids", ends, width, np.dtype(np.int64))
     two = _address(second)
     assert two != one  # the tensor still views the first array
     del tensor
     gc.collect()
-    third = pool.rows("ids", ends, 4, np.dtype(np.int64))
+    third = pool.rows("ids", ends, width, np.dtype(np.int64))
     assert _address(third) == one  # released: handed out again
     del second
-    assert _address(pool.rows("ids", ends, 4, np.dtype(np.int64))) == two
+    assert _address(pool.rows("ids", ends, width, np.dtype(np.int64))) == two
+
+
+def test_kept_arrays_have_the_callers_capacity_and_small_free_ones_make_room():
+    pool = RowBuffers(keep=1, rows=8)
+    first = pool.rows("ids", np.array([1, 2]), 3, np.dtype(np.int64))  # a small first piece
+    one = _address(first)
+    del first
+    full = pool.rows("ids", np.full(8, 3), 3, np.dtype(np.int64))
+    assert _address(full) == one  # the kept array was allocated with 8 rows
+    del full
+    small = RowBuffers(keep=1)
+    first = small.rows("ids", np.array([1]), 3, np.dtype(np.int64))
+    del first
+    larger = small.rows("ids", np.array([1, 1, 1]), 3, np.dtype(np.int64))
+    del larger
+    again = small.rows("ids", np.array([1, 1, 1]), 3, np.dtype(np.int64))
+    assert again.shape == (3, 3) and len(small._pools[("ids", 3, np.dtype(np.int64), 0)]) == 1
+
+
+@pytest.mark.parametrize("n", [10, 1 << 20])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16, np.float32, np.bool_])
+def test_fresh_arrays_own_their_views_whoever_allocates_them(n, dtype):
+    array = fresh((n, 2), dtype, 1)
+    assert array.shape == (n, 2) and array.dtype == dtype and (array == 1).all()
+    before = sys.getrefcount(array)
+    view = array[1:]
+    after = sys.getrefcount(array)
+    assert after == before + 1 and view.base is array
 
 
 def test_a_full_pool_allocates_rather_than_hands_out_a_held_array():

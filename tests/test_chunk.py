@@ -166,3 +166,30 @@ def test_split_cuts_a_shuffled_chunk_into_ordered_pieces(tmp_path, start, stop, 
         for i, cell in enumerate(piece.cell_ids):
             genes = piece.genes[piece.indptr[i] : piece.indptr[i + 1]]
             np.testing.assert_array_equal(genes, np.flatnonzero(dense[cell]))
+
+
+def test_the_row_check_finds_every_misplaced_row_and_names_the_first():
+    """The cheap check (first/last row of each cell, ids ascending within a range) agrees
+    with the full comparison against the expected column, row for row.
+    """
+    from slafload.chunk import _misplaced_row
+
+    rng = np.random.default_rng(7)
+    lengths_of = rng.integers(0, 4, 40)  # empty cells included
+    ranges = np.array([[30, 36], [2, 5], [2, 5], [18, 19], [0, 1], [38, 40]])  # repeats, unsorted
+    cell_ids = Fetch(0, ranges).cell_ids()
+    lengths = lengths_of[cell_ids]
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    good = np.repeat(cell_ids, lengths).astype(np.uint32)
+    assert _misplaced_row(good, cell_ids, indptr, ranges) is None
+    for row in range(len(good)):
+        for wrong in {int(good[row]) - 1, int(good[row]) + 1, int(rng.integers(0, 41))} - {
+            int(good[row]),
+            -1,
+        }:
+            corrupt = good.copy()
+            corrupt[row] = wrong
+            assert _misplaced_row(corrupt, cell_ids, indptr, ranges) == row
+    shifted = np.roll(good, 1)  # offsets off by one row: every boundary moves
+    expected = int(np.flatnonzero(shifted != good)[0])
+    assert _misplaced_row(shifted, cell_ids, indptr, ranges) == expected

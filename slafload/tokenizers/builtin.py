@@ -28,9 +28,10 @@ from importlib.metadata import entry_points
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from slafload._validate import check_int
-from slafload.buffers import RowBuffers, copy_runs, scratch
+from slafload.buffers import RowBuffers, copy_aligned_runs, fresh, scratch
 from slafload.types import RankedChunk, Tokenizer
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
@@ -51,18 +52,22 @@ def _padded(
     """
     if buffers is not None:
         return buffers.rows(name, ends, width, np.dtype(dtype), pad)
-    return np.full((len(ends), width), pad, dtype=dtype)
+    return fresh((len(ends), width), dtype, pad)
 
 
 def _fill_rows(
-    out: np.ndarray, src: np.ndarray, ranked: RankedChunk, limit: int, first_col: int
-) -> None:
+    out: np.ndarray, src: np.ndarray, ranked: RankedChunk, limit: int, first_col: int,
+    *aligned: tuple[np.ndarray, np.ndarray],
+) -> None:  # fmt: skip
     """Each read-order cell's first ``limit`` entries of ``src`` into its output row of
     ``out`` from column ``first_col`` (one slice copy per cell, see :func:`copy_runs`).
+
+    ``aligned`` are more ``(out, src)`` pairs of the same shapes, filled in the same loop.
     """
     width = out.shape[1]
     dst = ranked.row_of_cell * width + first_col
-    copy_runs(out.reshape(-1), dst, src, ranked.indptr[:-1], np.minimum(ranked.lengths, limit))
+    pairs = [(out.reshape(-1), src), *((o.reshape(-1), s) for o, s in aligned)]
+    copy_aligned_runs(pairs, dst, ranked.indptr[:-1], np.minimum(ranked.lengths, limit))
 
 
 def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarray:
@@ -73,10 +78,20 @@ def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarra
     return mask
 
 
-def _gene_tokens(ranked: RankedChunk) -> np.ndarray:
-    """Gene id + ``GENE_OFFSET`` of every entry, in this thread's scratch (copied out at once)."""
-    out = scratch("gene_tokens", len(ranked.genes), np.int64)
-    return np.add(ranked.genes, GENE_OFFSET, out=out, dtype=np.int64)
+def gene_tokens(ranked: RankedChunk, dtype: npt.DTypeLike | None = None) -> np.ndarray:
+    """Gene id + ``GENE_OFFSET`` of every entry, in this thread's scratch (copy it out at once).
+
+    With no ``dtype``, in the gene ids' own unsigned type when every token fits it (``uint16``
+    for up to 65,531 genes), else ``int64``: the rows it is copied into cast it on the way,
+    and the narrow sum is a quarter of the memory traffic of a widening one.
+    """
+    genes = ranked.genes
+    if dtype is None:
+        narrow = genes.dtype.kind == "u" and len(genes)
+        fits = narrow and int(genes.max()) + GENE_OFFSET <= np.iinfo(genes.dtype).max
+        dtype = genes.dtype if fits else np.int64
+    out = scratch("gene_tokens", len(genes), dtype)
+    return np.add(genes, GENE_OFFSET, out=out, dtype=dtype, casting="unsafe")
 
 
 class Geneformer:
@@ -98,7 +113,7 @@ class Geneformer:
         ends = np.minimum(sep + 1, width)
         ids = _padded(buffers, "input_ids", ends, width, np.int64, PAD)
         ids[:, 0] = CLS
-        _fill_rows(ids, _gene_tokens(ranked), ranked, width - 1, first_col=1)
+        _fill_rows(ids, gene_tokens(ranked), ranked, width - 1, first_col=1)
         ids[fits, sep[fits]] = SEP
         return {"input_ids": ids, "attention_mask": _mask(buffers, ends, width)}
 
@@ -125,9 +140,13 @@ class ScGPT:
         return quantile_bins(ranked, self.n_bins)
 
     def value_tokens(self, ranked: RankedChunk) -> np.ndarray:
-        """``bins(ranked) + value_offset``, in one pass when the bins are the built-in ones."""
+        """``bins(ranked) + value_offset``, in one pass when the bins are the built-in ones
+        (then in the narrowest integer type that holds every token).
+        """
         if type(self).bins is ScGPT.bins:
-            return quantile_bins(ranked, self.n_bins, offset=self.value_offset)
+            top = self.n_bins - 1 + self.value_offset
+            dtype = np.min_scalar_type(top) if self.value_offset >= 0 else np.int64
+            return quantile_bins(ranked, self.n_bins, offset=self.value_offset, dtype=dtype)
         return np.add(self.bins(ranked), self.value_offset, dtype=np.int64)
 
     def __call__(
@@ -139,8 +158,8 @@ class ScGPT:
         ids = _padded(buffers, "input_ids", sep + 1, width, np.int64, PAD)
         values = _padded(buffers, "values", sep, width, np.int64, PAD)
         ids[:, 0], values[:, 0] = CLS, PAD
-        _fill_rows(ids, _gene_tokens(ranked), ranked, limit, first_col=1)
-        _fill_rows(values, self.value_tokens(ranked), ranked, limit, first_col=1)
+        tokens = gene_tokens(ranked)
+        _fill_rows(ids, tokens, ranked, limit, 1, (values, self.value_tokens(ranked)))
         ids[np.arange(ranked.n_cells), sep] = SEP
         return {"input_ids": ids, "attention_mask": _mask(buffers, sep + 1, width),
                 "values": values}  # fmt: skip
@@ -163,19 +182,21 @@ class Raw:
         lengths = ranked.output_lengths(width)
         gene_ids = _padded(buffers, "gene_ids", lengths, width, np.int64, -1)
         values = _padded(buffers, "values", lengths, width, np.float32, 0)
-        _fill_rows(gene_ids, ranked.genes, ranked, width, first_col=0)
-        _fill_rows(values, ranked.values, ranked, width, first_col=0)
+        _fill_rows(gene_ids, ranked.genes, ranked, width, 0, (values, ranked.values))
         return {"gene_ids": gene_ids, "values": values, "lengths": lengths}
 
 
-def quantile_bins(ranked: RankedChunk, n_bins: int, offset: int = 0) -> np.ndarray:
+def quantile_bins(
+    ranked: RankedChunk, n_bins: int, offset: int = 0, dtype: npt.DTypeLike = np.int64
+) -> np.ndarray:
     """scGPT's per-cell binning of every entry: ``np.digitize(x, np.quantile(nz, q))``.
 
     ``nz`` is the cell's non-zero values and ``q = linspace(0, 1, n_bins - 1)``, so bins run
     from 1 to ``n_bins - 1``. This reproduces numpy's linear quantile interpolation exactly,
     for all cells of the chunk at once, using that each cell's values are already sorted.
     (scGPT breaks ties at bin edges at random; we take numpy's left edge, deterministically.)
-    Returns ``int64`` bins aligned with ``ranked.values``, plus ``offset``.
+    Returns bins aligned with ``ranked.values``, plus ``offset``, as ``dtype`` (which must
+    hold ``offset .. offset + n_bins - 1``).
 
     Only the ``cells x (n_bins - 1)`` edges are computed and located; the entries are touched
     by one comparison pass (where ties sit) and by the final ``np.repeat`` of each cell's runs
@@ -185,7 +206,7 @@ def quantile_bins(ranked: RankedChunk, n_bins: int, offset: int = 0) -> np.ndarr
     n = ranked.lengths
     m = len(values)
     if m == 0:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=dtype)
     # Work on each cell's descending values d_0 >= d_1 >= ...: ascending index a is
     # descending index n-1-a, so only the (cells x bins) edge lookups need that mapping.
     start = indptr[:-1]
@@ -218,7 +239,7 @@ def quantile_bins(ranked: RankedChunk, n_bins: int, offset: int = 0) -> np.ndarr
     covered = -np.sort(-covered, axis=1)
     bounds = np.concatenate([np.zeros_like(count), covered[:, ::-1], count], axis=1)
     runs = np.diff(bounds, axis=1)
-    bins = np.arange(n_bins - 1 + offset, offset - 1, -1, dtype=np.int64)
+    bins = np.arange(n_bins - 1 + offset, offset - 1, -1, dtype=np.int64).astype(dtype)
     return np.repeat(np.broadcast_to(bins, runs.shape).ravel(), runs.ravel())
 
 
