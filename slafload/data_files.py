@@ -12,11 +12,13 @@ objects, so a range costs one ``read_range`` on an open file.
 
 On an object store a range read is a few sequential requests (each column's page metadata,
 then its data: ~5 for the expression table's three columns), each paying the store's latency,
-and a pylance file reader serves one call at a time. So with ``threads > 1`` (the default for
-``s3://``-style URIs, :data:`REMOTE_THREADS`) the pieces of a fetch are read by one task per
-data file on that many threads, and :meth:`DataFiles.read` returns as soon as they are
-submitted: each range's batches are waited for when they are iterated, so the Read stage's
-read-ahead overlaps the next fetch's requests with this one's compute. Readers on an object
+and a pylance file reader serves one call at a time. So with ``threads > 1`` (the default:
+:data:`REMOTE_THREADS` for ``s3://``-style URIs, :data:`LOCAL_THREADS` for local files, where
+each range still pays a fixed ~0.2 ms of Lance's scheduling, whatever its size) the pieces of
+a fetch are read by one task per data file on that many threads; with one, by one background
+thread. Either way :meth:`DataFiles.read` returns as soon as they are submitted: each range's
+batches are waited for when they are iterated, so the Read stage's read-ahead overlaps the
+next fetch's requests with this one's compute. Readers on an object
 store share one ``LanceFileSession`` (one client and connection pool) instead of a client each.
 
 Only tables where this is exact take this path: every fragment has exactly one data file
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 MAX_OPEN_FILES = 8192  # upper bound of the reader cache; each open reader holds a descriptor
 STREAMS_AT_ONCE = 128  # read_range streams alive at once (each holds its pages until consumed)
 REMOTE_THREADS = 16  # default threads for object stores: requests wait on latency, not CPU
+LOCAL_THREADS = 4  # default for local files: each range's fixed scheduling cost overlaps
 
 
 def is_remote(uri: str) -> bool:
@@ -78,12 +81,12 @@ class DataFiles:
     """The data files of a pinned expression table, by dataset row offset.
 
     ``starts[i]`` is the dataset row offset of data file ``i``'s first row (``starts[-1]`` the
-    row count). :meth:`read` is called from one thread (the producer); with ``threads > 1`` it
-    hands the reads to worker threads, each file's reader used by one of them at a time.
+    row count). :meth:`read` is called from one thread (the producer) and hands the reads to
+    worker threads, each file's reader used by one of them at a time.
 
     Args:
         threads: Data files read at once by :meth:`read`; ``None``: :data:`REMOTE_THREADS` on
-            an object store, 1 (all on the calling thread) for local paths.
+            an object store, :data:`LOCAL_THREADS` for local paths.
     """
 
     def __init__(
@@ -101,11 +104,12 @@ class DataFiles:
         if self.max_open < 1:
             raise ValueError(f"max_open must be >= 1, got {self.max_open}")
         remote = bool(self.paths) and is_remote(self.paths[0])
-        self.threads = (REMOTE_THREADS if remote else 1) if threads is None else threads
+        self.threads = (REMOTE_THREADS if remote else LOCAL_THREADS) if threads is None else threads
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self._open: OrderedDict[tuple[int, tuple[str, ...]], _Open] = OrderedDict()
         self._lock = threading.Lock()  # guards _open against workers opening readers
+        self._in_turn = threading.Lock()  # one fetch's reads at a time on the one-thread path
         self._session: Any | None = None  # a LanceFileSession where pylance has one
         if remote and len({p.rsplit("/", 1)[0] for p in self.paths}) == 1:
             base = self.paths[0].rsplit("/", 1)[0]
@@ -182,26 +186,56 @@ class DataFiles:
     def read(self, rows: np.ndarray, columns: Sequence[str]) -> list[Sequence[pa.RecordBatch]]:
         """The batches of every row range (non-empty ``int64[k, 2]``), one sequence per range.
 
-        With one thread, streams are created :data:`STREAMS_AT_ONCE` at a time before any of
-        them is consumed, so Lance schedules their I/O together (1.9x faster than one by one,
-        measured) while the pages they hold stay bounded: all 8k streams of a fetch of single
-        cells at once peaked at 3 GB of RSS. With more, see :meth:`_read_threaded`.
+        Returns at once: the reads run on a background thread (or, with ``threads > 1``, on
+        that many, see :meth:`_read_threaded`), and each range's sequence waits for them when
+        it is iterated, raising their errors there. So the Read stage's read-ahead overlaps a
+        fetch's range reads with the compute of the fetch before it, as a scan overlaps its
+        decoding on Lance's threads. Fetches are read one after the other, in the order
+        they were asked for.
         """
-        if self.threads > 1:
-            return self._read_threaded(rows, tuple(columns))
         cols = tuple(columns)
+        if self.threads > 1:
+            return self._read_threaded(rows, cols)
         which, file, lo, n = self.pieces(rows)
-        out: list[Sequence[pa.RecordBatch]] = [[] for _ in range(len(rows))]
         pieces = list(zip(which.tolist(), file.tolist(), lo.tolist(), n.tolist(), strict=True))
-        for start in range(0, len(pieces), STREAMS_AT_ONCE):
-            window = pieces[start : start + STREAMS_AT_ONCE]
-            streams = [
-                self._reader(f, cols).read_range(a, m, batch_size=m).to_batches()
-                for _, f, a, m in window
-            ]
-            for (w, *_), stream in zip(window, streams, strict=True):
-                out[w] = [*out[w], *(b for b in stream if b.num_rows)]
-        return out
+        windows = [pieces[i : i + STREAMS_AT_ONCE] for i in range(0, len(pieces), STREAMS_AT_ONCE)]
+        done: list[Future] = [Future() for _ in windows]
+        pool = ThreadPoolExecutor(1, "slafload-read")
+        try:
+            pool.submit(self._read_windows, windows, done, cols)
+        finally:
+            pool.shutdown(wait=False)  # the thread ends with its task
+        parts: list[list[tuple[Future, int]]] = [[] for _ in range(len(rows))]
+        for window, future in zip(windows, done, strict=True):
+            for j, (w, *_) in enumerate(window):
+                parts[w].append((future, j))
+        return [_Pending(p) for p in parts]
+
+    def _read_windows(
+        self, windows: list[list[tuple[int, int, int, int]]], done: list[Future],
+        cols: tuple[str, ...],
+    ) -> None:  # fmt: skip
+        """Read the pieces window by window, each window's batches into its future.
+
+        Streams are created :data:`STREAMS_AT_ONCE` at a time before any of them is consumed,
+        so Lance schedules their I/O together (1.9x faster than one by one, measured) while
+        the pages they hold stay bounded: all 8k streams of a fetch of single cells at once
+        peaked at 3 GB of RSS. A window's future is set as soon as it is read, so the first
+        ranges of a fetch are ready before its last. One fetch is read at a time; a failure
+        fails every window not yet read.
+        """
+        with self._in_turn:
+            for k, (window, future) in enumerate(zip(windows, done, strict=True)):
+                try:
+                    streams = [
+                        self._reader(f, cols).read_range(a, m, batch_size=m).to_batches()
+                        for _, f, a, m in window
+                    ]
+                    future.set_result([[b for b in s if b.num_rows] for s in streams])
+                except BaseException as exc:
+                    for rest in done[k:]:
+                        rest.set_exception(exc)
+                    return
 
     def _read_threaded(
         self, rows: np.ndarray, cols: tuple[str, ...]

@@ -91,9 +91,13 @@ def test_direct_reads_in_a_loader_deliver_the_same_batches(dataset, threads):
         np.testing.assert_array_equal(a, b)
 
 
-def test_threaded_reads_match_take_scan_with_a_reader_cache_smaller_than_the_fetch(dataset):
-    files = DataFiles.of(dataset.expression, COLUMNS, max_open=2, threads=4)
-    assert files is not None and files.threads == 4
+@pytest.mark.parametrize("threads", [1, 4])
+def test_background_reads_match_take_scan_with_a_reader_cache_smaller_than_the_fetch(
+    dataset, threads, monkeypatch
+):
+    monkeypatch.setattr("slafload.data_files.STREAMS_AT_ONCE", 7)  # several windows
+    files = DataFiles.of(dataset.expression, COLUMNS, max_open=2, threads=threads)
+    assert files is not None and files.threads == threads
     rng = np.random.default_rng(3)
     starts = np.sort(rng.choice(dataset.n_rows - 400, size=40, replace=False))
     rows = np.stack([starts, starts + rng.integers(1, 400, size=40)], axis=1)
@@ -105,8 +109,10 @@ def test_threaded_reads_match_take_scan_with_a_reader_cache_smaller_than_the_fet
     assert len(files._open) == 2
 
 
-def test_a_threaded_read_that_fails_raises_when_its_range_is_used(dataset):
-    files = DataFiles.of(dataset.expression, COLUMNS, threads=2)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_background_read_that_fails_raises_when_its_range_is_used(dataset, threads, monkeypatch):
+    monkeypatch.setattr("slafload.data_files.STREAMS_AT_ONCE", 1)  # a window per range
+    files = DataFiles.of(dataset.expression, COLUMNS, threads=threads)
     broken = int(np.searchsorted(files.starts, 1000, side="right")) - 1
     files.paths[broken] = files.paths[broken] + ".missing"
     got = files.read(np.array([[0, 5], [1000, 1001]], dtype=np.int64), COLUMNS)
@@ -115,11 +121,11 @@ def test_a_threaded_read_that_fails_raises_when_its_range_is_used(dataset):
         list(got[1])
 
 
-def test_reads_use_threads_by_default_only_on_object_stores(dataset):
-    from slafload.data_files import REMOTE_THREADS, is_remote
+def test_reads_use_more_threads_by_default_on_object_stores(dataset):
+    from slafload.data_files import LOCAL_THREADS, REMOTE_THREADS, is_remote
 
-    assert DataFiles.of(dataset.expression, COLUMNS).threads == 1
-    assert REMOTE_THREADS > 1
+    assert DataFiles.of(dataset.expression, COLUMNS).threads == LOCAL_THREADS
+    assert REMOTE_THREADS > LOCAL_THREADS > 1
     assert is_remote("s3://bucket/a.slaf") and is_remote("gs://b/x")
     assert not is_remote("/tmp/a.slaf") and not is_remote("file:///tmp/a.slaf")
     with pytest.raises(ValueError, match="threads must be >= 1"):
