@@ -128,10 +128,12 @@ def _copy_genes(
     """Each cell's first ``limit`` entries of every ``(stream, source)`` pair into its row.
 
     ``starts`` is per output row; entry ``e`` of read-order cell ``c`` goes to
-    ``starts[row_of_cell[c]] + first + rank``: one slice copy per cell and stream.
+    ``starts[row_of_cell[c]] + first + rank``: one slice copy per cell and stream, in output
+    order (the streams are written front to back).
     """
-    dst, src = starts[ranked.row_of_cell] + first, ranked.indptr[:-1]
-    copy_aligned_runs(streams, dst, src, np.minimum(ranked.lengths, limit))
+    cells = ranked.order
+    src, counts = ranked.indptr[cells], np.minimum(ranked.lengths[cells], limit)
+    copy_aligned_runs(streams, starts + first, src, counts)
 
 
 def _sentences(

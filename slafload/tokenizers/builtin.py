@@ -63,11 +63,13 @@ def _fill_rows(
     ``out`` from column ``first_col`` (one slice copy per cell, see :func:`copy_runs`).
 
     ``aligned`` are more ``(out, src)`` pairs of the same shapes, filled in the same loop.
+    Rows are written in output order (the sources are read in shuffled order instead): the
+    large destination is then written front to back.
     """
-    width = out.shape[1]
-    dst = ranked.row_of_cell * width + first_col
+    width, cells = out.shape[1], ranked.order
+    dst = np.arange(len(cells), dtype=np.int64) * width + first_col
     pairs = [(out.reshape(-1), src), *((o.reshape(-1), s) for o, s in aligned)]
-    copy_aligned_runs(pairs, dst, ranked.indptr[:-1], np.minimum(ranked.lengths, limit))
+    copy_aligned_runs(pairs, dst, ranked.indptr[cells], np.minimum(ranked.lengths[cells], limit))
 
 
 def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarray:
