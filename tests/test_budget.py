@@ -7,7 +7,7 @@ import pytest
 from conftest import random_counts, write_dense
 
 from slafload import Loader, open_dataset
-from slafload.budget import cost, groups
+from slafload.budget import cost, groups, read_rows
 from slafload.samplers import BlockShuffle, ChunkShuffle, Fetch
 
 
@@ -60,3 +60,17 @@ def test_cost_counts_the_gaps_the_reader_scans_through(dataset):
     gap = int(start[5] - start[2])
     assert cost(fetch, start, width=8, max_gap=0) == own * 8 * 3
     assert cost(fetch, start, width=8, max_gap=10**9) == (own + gap) * 8 * 3
+
+
+def test_groups_charge_the_gaps_read_through_so_sparse_cells_stay_in_budget(dataset):
+    start = dataset.cell_start
+    cells = np.arange(0, 300, 3)  # single cells, two cells apart: the reader spans the gaps
+    fetch = Fetch(0, np.stack([cells, cells + 1], axis=1))
+    max_rows = 60
+    parts = groups(fetch, start, width=8, max_bytes=8 * 3 * max_rows, max_gap=10**9)
+    np.testing.assert_array_equal(np.concatenate([g.cell_ids() for g in parts]), cells)
+    assert len(parts) > 3
+    for g in parts:  # what the reader reads for the group: first row to last, gaps included,
+        spanned = int(start[g.ranges[-1, 1]] - start[g.ranges[0, 0]])  # over the budget only
+        last = int(read_rows(g, start, 10**9)[-1])  # by the last cell and its gap
+        assert spanned - last <= max_rows
