@@ -21,6 +21,7 @@ import sys
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -60,22 +61,26 @@ def fresh(shape: int | tuple[int, ...], dtype: npt.DTypeLike, fill=None) -> np.n
     """
     dtype = np.dtype(dtype)
     count = int(np.prod(shape))
-    if count * dtype.itemsize < _HUGE:
+    torch_dtype = _torch_dtype(dtype) if count * dtype.itemsize >= _HUGE else None
+    if torch_dtype is None:  # small, or a dtype this torch lacks (uint16 before torch 2.3)
         return np.empty(shape, dtype) if fill is None else np.full(shape, fill, dtype)
     import torch
 
     # Not a reshaped view: views of this array must name it as their base, or the reference
     # counts that RowBuffers relies on would not see them.
-    array = torch.empty(shape, dtype=_torch_dtype(dtype)).numpy()
+    array = torch.empty(shape, dtype=torch_dtype).numpy()
     if fill is not None:
         array.fill(fill)
     return array
 
 
-def _torch_dtype(dtype: np.dtype):
+def _torch_dtype(dtype: np.dtype) -> Any:
     import torch
 
-    return torch.from_numpy(np.empty(0, dtype)).dtype
+    try:
+        return torch.from_numpy(np.empty(0, dtype)).dtype
+    except TypeError:
+        return None
 
 
 @dataclass(eq=False)
