@@ -101,7 +101,7 @@ class LoaderConfig:
             ``"device"`` (ship each batch's sparse expression and rank, bin and lay out
             tokens with torch ops on the loader's device; see :mod:`slafload.device_tokenize`).
         memory_budget: Bytes of expression data the reader and chunk stage may hold at once
-            (default 256 MiB), counted as rows read x row width x 3 copies
+            (default 512 MiB), counted as rows read x row width x 3 copies
             (``slafload/budget.py``). Read-ahead starts another fetch only while it fits; a
             fetch costing over half of it is read in groups of consecutive ranges. The order
             of cells does not depend on it.
@@ -130,12 +130,12 @@ class LoaderConfig:
     piece_cells: int = 2048
     queue_depth: int = 64
     read_batch_rows: int = 1 << 22
-    read_ahead: int = 1
+    read_ahead: int = 2
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     layout: str = "padded"
     token_dtype: str = "int64"
     tokenize_on: str = "producer"
-    memory_budget: int = 256 << 20
+    memory_budget: int = 512 << 20
     first_read_cells: int = 64
     read_data_files: bool = True
     read_threads: int | None = None

@@ -215,8 +215,8 @@ class Read(Stage[Group]):
         cell_start: np.ndarray,
         *,
         row_bytes: int,
-        read_ahead: int = 1,
-        memory_budget: int = 256 << 20,
+        read_ahead: int = 2,
+        memory_budget: int = 512 << 20,
     ):
         super().__init__(source)
         self.reader, self.cell_start, self.row_bytes = reader, cell_start, row_bytes
