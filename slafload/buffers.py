@@ -168,17 +168,6 @@ def copy_aligned_runs(
     Aligned streams (scGPT's gene ids and value bins, raw's gene ids and values) share their
     run offsets, so the loop's per-run Python cost is paid once, not once per stream.
     """
-    runs = zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True)
-    if len(pairs) == 1:
-        ((dst, src),) = pairs
-        for d, s, n in runs:
+    for d, s, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True):
+        for dst, src in pairs:
             dst[d : d + n] = src[s : s + n]
-    elif len(pairs) == 2:
-        (dst, src), (dst2, src2) = pairs
-        for d, s, n in runs:
-            dst[d : d + n] = src[s : s + n]
-            dst2[d : d + n] = src2[s : s + n]
-    else:
-        for d, s, n in runs:
-            for out, source in pairs:
-                out[d : d + n] = source[s : s + n]

@@ -21,7 +21,7 @@ import numpy as np
 from slafload.buffers import copy_aligned_runs, fresh
 from slafload.errors import LayoutError
 from slafload.tokenizers import CLS, SEP, Geneformer, Raw, ScGPT, Tokenizer
-from slafload.tokenizers.builtin import gene_tokens
+from slafload.tokenizers.builtin import copy_cell_tokens, gene_tokens
 from slafload.types import RankedChunk
 
 RAGGED_KEY = "tokens"  # the key a piece's Ragged travels under until the layout expands it
@@ -121,28 +121,13 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
     return offsets
 
 
-def _copy_genes(
-    streams: Sequence[tuple[np.ndarray, np.ndarray]], ranked: RankedChunk, starts: np.ndarray,
-    limit: int, first: int,
-) -> None:  # fmt: skip
-    """Each cell's first ``limit`` entries of every ``(stream, source)`` pair into its row.
-
-    ``starts`` is per output row; entry ``e`` of read-order cell ``c`` goes to
-    ``starts[row_of_cell[c]] + first + rank``: one slice copy per cell and stream, in output
-    order (the streams are written front to back).
-    """
-    cells = ranked.order
-    src, counts = ranked.indptr[cells], np.minimum(ranked.lengths[cells], limit)
-    copy_aligned_runs(streams, starts + first, src, counts)
-
-
 def _sentences(
     ranked: RankedChunk, limit: int, width: int, dtype: np.dtype,
     aligned: Sequence[tuple[np.dtype, np.ndarray]] = (),
 ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:  # fmt: skip
     """Offsets and ids of ``[CLS] g1..gk [SEP]`` rows (``SEP`` only where it fits in
     ``width``), ``k <= limit``, and one zero-padded stream per ``(dtype, source)`` of
-    ``aligned``, whose genes' entries are filled in the same loop (:func:`_copy_genes`).
+    ``aligned``, whose genes' entries are filled in the same loop (:func:`copy_cell_tokens`).
     """
     kept = ranked.output_lengths(limit)
     sep = kept + 1 < width
@@ -152,7 +137,7 @@ def _sentences(
     ids[starts] = CLS
     streams = [fresh(int(offsets[-1]), t, 0) for t, _ in aligned]
     pairs = [(ids, gene_tokens(ranked)), *zip(streams, (a for _, a in aligned), strict=True)]
-    _copy_genes(pairs, ranked, starts, limit, first=1)
+    copy_cell_tokens(pairs, ranked, starts + 1, limit)
     ids[(starts + 1 + kept)[sep]] = SEP
     return offsets, ids, streams
 
@@ -175,7 +160,7 @@ def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype) -> dict:
     genes = fresh(int(offsets[-1]), dtype)
     values = fresh(int(offsets[-1]), np.float32)
     pairs = [(genes, ranked.genes), (values, ranked.values)]
-    _copy_genes(pairs, ranked, offsets[:-1], tok.max_genes, first=0)
+    copy_cell_tokens(pairs, ranked, offsets[:-1], tok.max_genes)
     streams, pads = {"gene_ids": genes, "values": values}, {"gene_ids": -1, "values": 0}
     return {RAGGED_KEY: Ragged(offsets, streams, pads, masked=False), "lengths": lengths}
 

@@ -23,7 +23,7 @@ does not (see ``docs/tokenizers.md``). Third-party tokenizers register under the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -60,16 +60,27 @@ def _fill_rows(
     *aligned: tuple[np.ndarray, np.ndarray],
 ) -> None:  # fmt: skip
     """Each read-order cell's first ``limit`` entries of ``src`` into its output row of
-    ``out`` from column ``first_col`` (one slice copy per cell, see :func:`copy_runs`).
-
-    ``aligned`` are more ``(out, src)`` pairs of the same shapes, filled in the same loop.
-    Rows are written in output order (the sources are read in shuffled order instead): the
-    large destination is then written front to back.
+    ``out`` from column ``first_col``; ``aligned`` are more ``(out, src)`` pairs of the same
+    shapes, filled in the same loop (:func:`copy_cell_tokens`).
     """
-    width, cells = out.shape[1], ranked.order
-    dst = np.arange(len(cells), dtype=np.int64) * width + first_col
+    dst = np.arange(ranked.n_cells, dtype=np.int64) * out.shape[1] + first_col
     pairs = [(out.reshape(-1), src), *((o.reshape(-1), s) for o, s in aligned)]
-    copy_aligned_runs(pairs, dst, ranked.indptr[cells], np.minimum(ranked.lengths[cells], limit))
+    copy_cell_tokens(pairs, ranked, dst, limit)
+
+
+def copy_cell_tokens(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], ranked: RankedChunk, dst: np.ndarray,
+    limit: int,
+) -> None:  # fmt: skip
+    """Each cell's first ``limit`` entries of every ``(out, src)`` pair (1-D, ``src``
+    aligned with ``ranked.genes``) into ``out`` from ``dst[row]``, ``row`` its output row.
+
+    One slice copy per cell and pair (:func:`~slafload.buffers.copy_aligned_runs`), in output
+    order: the sources are read in shuffled order, the large destinations front to back.
+    """
+    cells = ranked.order
+    src, counts = ranked.indptr[cells], np.minimum(ranked.lengths[cells], limit)
+    copy_aligned_runs(pairs, dst, src, counts)
 
 
 def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarray:
@@ -80,18 +91,20 @@ def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarra
     return mask
 
 
-def gene_tokens(ranked: RankedChunk, dtype: npt.DTypeLike | None = None) -> np.ndarray:
+def gene_tokens(ranked: RankedChunk) -> np.ndarray:
     """Gene id + ``GENE_OFFSET`` of every entry, in this thread's scratch (copy it out at once).
 
-    With no ``dtype``, in the gene ids' own unsigned type when every token fits it (``uint16``
-    for up to 65,531 genes), else ``int64``: the rows it is copied into cast it on the way,
-    and the narrow sum is a quarter of the memory traffic of a widening one.
+    In the gene ids' own unsigned type when every token fits it (``uint16`` for up to 65,531
+    genes), else ``int64``: the rows it is copied into cast it on the way, and the narrow sum
+    is a quarter of the memory traffic of a widening one.
     """
     genes = ranked.genes
-    if dtype is None:
-        narrow = genes.dtype.kind == "u" and len(genes)
-        fits = narrow and int(genes.max()) + GENE_OFFSET <= np.iinfo(genes.dtype).max
-        dtype = genes.dtype if fits else np.int64
+    fits = (
+        genes.dtype.kind == "u"
+        and len(genes) > 0
+        and int(genes.max()) + GENE_OFFSET <= np.iinfo(genes.dtype).max
+    )
+    dtype = genes.dtype if fits else np.dtype(np.int64)
     out = scratch("gene_tokens", len(genes), dtype)
     return np.add(genes, GENE_OFFSET, out=out, dtype=dtype, casting="unsafe")
 
