@@ -14,6 +14,7 @@ from conftest import (
     write_dense,
 )
 
+import slafload.tokenizers.builtin
 from slafload import open_dataset
 from slafload.chunk import assemble, shuffle
 from slafload.ranking import rank
@@ -52,8 +53,10 @@ def test_geneformer_equals_rank_value_encoding_reference(tmp_path, max_genes):
     assert out["input_ids"].dtype == np.int64 and out["attention_mask"].dtype == bool
 
 
+@pytest.mark.parametrize("block", [7, 256])  # cells binned at a time (empty cells at edges)
 @pytest.mark.parametrize(("max_genes", "n_bins"), [(4, 5), (16, 11), (64, 51)])
-def test_scgpt_equals_quantile_binning_reference(tmp_path, max_genes, n_bins):
+def test_scgpt_equals_quantile_binning_reference(tmp_path, monkeypatch, max_genes, n_bins, block):
+    monkeypatch.setattr(slafload.tokenizers.builtin, "BIN_BLOCK_CELLS", block)
     dense = random_counts(150, 40, seed=5, max_count=30, density=0.5, empty_every=13)
     ranked = ranked_chunk(write_dense(tmp_path / "a.slaf", dense), 150, seed=1)
     out = ScGPT(max_genes=max_genes, n_bins=n_bins)(ranked)
@@ -63,7 +66,9 @@ def test_scgpt_equals_quantile_binning_reference(tmp_path, max_genes, n_bins):
     np.testing.assert_array_equal(out["attention_mask"], out["input_ids"] != PAD)
 
 
-def test_scgpt_binning_is_exact_for_float_values_with_ties(tmp_path):
+@pytest.mark.parametrize("block", [1, 13, 256])
+def test_scgpt_binning_is_exact_for_float_values_with_ties(tmp_path, monkeypatch, block):
+    monkeypatch.setattr(slafload.tokenizers.builtin, "BIN_BLOCK_CELLS", block)
     rng = np.random.default_rng(0)
     dense = np.round(rng.lognormal(0, 1, size=(80, 25)), 1).astype(np.float32)
     dense[rng.random(dense.shape) > 0.6] = 0
@@ -71,7 +76,10 @@ def test_scgpt_binning_is_exact_for_float_values_with_ties(tmp_path):
     dense[6, :] = 2.5  # all-equal values
     path = write_dense(tmp_path / "f.slaf", dense, value_type=pa.float32())
     ranked = ranked_chunk(path, 80)
+    out = np.full(len(ranked.values), 99, dtype=np.uint8)
+    assert quantile_bins(ranked, 21, dtype=np.uint8, out=out) is out
     bins = quantile_bins(ranked, 21)
+    np.testing.assert_array_equal(out, bins)
     for i, cell in enumerate(ranked.cell_ids):
         row = dense[cell]
         genes = ranked.genes[ranked.indptr[i] : ranked.indptr[i + 1]]

@@ -37,6 +37,7 @@ from slafload.types import RankedChunk, Tokenizer
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 GENE_OFFSET = 4
 VALUE_OFFSET = 50_000
+BIN_BLOCK_CELLS = 256  # cells binned at a time by quantile_bins (temporaries of ~100 KB)
 ENTRY_POINT_GROUP = "slafload.tokenizers"
 
 
@@ -156,12 +157,14 @@ class ScGPT:
 
     def value_tokens(self, ranked: RankedChunk) -> np.ndarray:
         """``bins(ranked) + value_offset``, in one pass when the bins are the built-in ones
-        (then in the narrowest integer type that holds every token).
+        (then in the narrowest integer type that holds every token, in this thread's scratch:
+        copy them out at once).
         """
         if type(self).bins is ScGPT.bins:
             top = self.n_bins - 1 + self.value_offset
             dtype = np.min_scalar_type(top) if self.value_offset >= 0 else np.int64
-            return quantile_bins(ranked, self.n_bins, offset=self.value_offset, dtype=dtype)
+            out = scratch("value_tokens", len(ranked.values), dtype)
+            return quantile_bins(ranked, self.n_bins, self.value_offset, dtype, out)
         return np.add(self.bins(ranked), self.value_offset, dtype=np.int64)
 
     def __call__(
@@ -202,8 +205,9 @@ class Raw:
 
 
 def quantile_bins(
-    ranked: RankedChunk, n_bins: int, offset: int = 0, dtype: npt.DTypeLike = np.int64
-) -> np.ndarray:
+    ranked: RankedChunk, n_bins: int, offset: int = 0, dtype: npt.DTypeLike = np.int64,
+    out: np.ndarray | None = None,
+) -> np.ndarray:  # fmt: skip
     """scGPT's per-cell binning of every entry: ``np.digitize(x, np.quantile(nz, q))``.
 
     ``nz`` is the cell's non-zero values and ``q = linspace(0, 1, n_bins - 1)``, so bins run
@@ -215,13 +219,29 @@ def quantile_bins(
 
     Only the ``cells x (n_bins - 1)`` edges are computed and located; the entries are touched
     by one comparison pass (where ties sit) and by the final ``np.repeat`` of each cell's runs
-    of equal bins.
+    of equal bins. Cells are binned :data:`BIN_BLOCK_CELLS` at a time, so every temporary
+    stays small enough to be reused from the allocator's free lists (in the loader, the
+    chunk-wide temporaries were returned to the kernel and faulted in again on every piece)
+    and to stay in cache; ``out``, when given, receives the bins (``m`` entries of ``dtype``).
     """
     values, indptr = ranked.values, ranked.indptr
-    n = ranked.lengths
+    out = np.empty(len(values), dtype=dtype) if out is None else out
+    n_cells = len(indptr) - 1
+    for first in range(0, n_cells, BIN_BLOCK_CELLS):
+        last = min(first + BIN_BLOCK_CELLS, n_cells)
+        lo, hi = int(indptr[first]), int(indptr[last])
+        if hi > lo:
+            out[lo:hi] = _block_bins(values[lo:hi], indptr[first : last + 1] - lo, n_bins,
+                                     offset, dtype)  # fmt: skip
+    return out
+
+
+def _block_bins(
+    values: np.ndarray, indptr: np.ndarray, n_bins: int, offset: int, dtype: npt.DTypeLike
+) -> np.ndarray:
+    """:func:`quantile_bins` of the cells ``indptr`` delimits in ``values`` (rank order)."""
+    n = np.diff(indptr)
     m = len(values)
-    if m == 0:
-        return np.zeros(0, dtype=dtype)
     # Work on each cell's descending values d_0 >= d_1 >= ...: ascending index a is
     # descending index n-1-a, so only the (cells x bins) edge lookups need that mapping.
     start = indptr[:-1]
