@@ -209,7 +209,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     report = {
         "settings": {k: v for k, v in vars(args).items() if k not in {"child", "dataset", "spec"}},
-        "page_cache": "warm after the first contender (each atlas fits in RAM)",
+        "page_cache": (
+            "read by the first contender (each atlas fits in RAM); hosts that page out idle "
+            "file pages (DAMON reclaim) keep only part of it cached between runs, see "
+            "docs/sampling.md"
+        ),
         "machine": machine(),
         "runs": runs,
         "plans": plans,
