@@ -95,10 +95,11 @@ def two_workers_full(atlas, stateful_dataloader):
 
 # 7: mid-epoch, the workers have prefetched ahead; 22: each worker has yielded 11 batches;
 # 23: worker 0 has run out (the loader has seen its end) while worker 1 has not.
-# Known and open: about 1 run in 10-20, a worker dropped mid-epoch aborts as its interpreter
-# exits ("terminate called without an active exception": a C++ thread still alive at teardown,
-# whose is not established yet). torchdata's iterator reports it from
-# __del__ as an unraisable exception; it is not what this test checks, so it does not fail it.
+# About 1 run in 10-20, a worker dropped mid-epoch aborts as its interpreter exits: its queue
+# feeder thread (not joined by PyTorch) is pickling a batch, with the GIL released inside
+# THPStorage_shareFd, and CPython < 3.14 ends it with pthread_exit, whose unwind through C++
+# calls std::terminate (from a core dump; docs/distributed.md). torchdata's iterator reports
+# that from __del__ as an unraisable exception; it is not slafload's and not what this checks.
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("stop_after", [7, 22, 23])
 def test_stateful_dataloader_with_two_workers_resumes_exactly(
