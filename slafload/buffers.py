@@ -145,27 +145,16 @@ def _repad(out: np.ndarray, old: np.ndarray, new: np.ndarray, pad: int | float) 
         flat[start:stop] = pad
 
 
-def copy_runs(
-    dst: np.ndarray, dst_starts: np.ndarray, src: np.ndarray, src_starts: np.ndarray,
-    lengths: np.ndarray,
-) -> None:  # fmt: skip
-    """``dst[d : d + n] = src[s : s + n]`` for every ``(d, s, n)`` (1-D arrays, casting).
-
-    A loop of slice copies (memcpy, one numpy call per run): for runs of hundreds of tokens it
-    costs a fifteenth of a scatter through expanded flat indices, which must first build and
-    then read an index per token (measured in docs/benchmarks.md).
-    """
-    copy_aligned_runs([(dst, src)], dst_starts, src_starts, lengths)
-
-
 def copy_aligned_runs(
     pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_starts: np.ndarray,
     src_starts: np.ndarray, lengths: np.ndarray,
 ) -> None:  # fmt: skip
-    """:func:`copy_runs` for aligned streams: ``dst[d : d + n] = src[s : s + n]`` for every
-    ``(dst, src)`` of ``pairs`` and every ``(d, s, n)``, in one loop over the runs.
+    """``dst[d : d + n] = src[s : s + n]`` for every ``(dst, src)`` of ``pairs`` (1-D arrays,
+    casting) and every ``(d, s, n)``, in one loop over the runs.
 
-    Aligned streams (scGPT's gene ids and value bins, raw's gene ids and values) share their
+    A loop of slice copies (memcpy, one numpy call per run): for runs of hundreds of tokens it
+    costs a fifteenth of a scatter through expanded flat indices, which must first build and
+    then read an index per token (measured in docs/benchmarks.md). Aligned streams (scGPT's gene ids and value bins, raw's gene ids and values) share their
     run offsets, so the loop's per-run Python cost is paid once, not once per stream.
     """
     for d, s, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True):

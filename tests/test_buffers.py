@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import slafload
-from slafload.buffers import RowBuffers, copy_runs, fresh
+from slafload.buffers import RowBuffers, copy_aligned_runs, fresh
 
 
 def _address(array: np.ndarray) -> int:
@@ -82,10 +82,10 @@ def test_reused_rows_are_padded_past_their_new_ends():
     np.testing.assert_array_equal(out, [[5, -1, -1, -1], [5, 5, 5, -1]])
 
 
-def test_copy_runs_copies_each_run_with_casting():
+def test_copy_aligned_runs_copies_each_run_with_casting():
     dst = np.zeros(10, dtype=np.int64)
     src = np.arange(6, dtype=np.uint16)
-    copy_runs(dst, np.array([0, 6]), src, np.array([1, 4]), np.array([3, 2]))
+    copy_aligned_runs([(dst, src)], np.array([0, 6]), np.array([1, 4]), np.array([3, 2]))
     np.testing.assert_array_equal(dst, [1, 2, 3, 0, 0, 0, 4, 5, 0, 0])
 
 
