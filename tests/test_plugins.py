@@ -52,9 +52,11 @@ _RUN = textwrap.dedent(
 
 
 def install_example_plugin() -> None:
-    """Install the example package editable, unless it already is (idempotent, offline)."""
+    """Install the example package editable from this checkout, unless it already is
+    (idempotent, offline; an editable install from another checkout is replaced).
+    """
     installed = subprocess.run(
-        [sys.executable, "-c", _CHECK, PLUGIN.name], capture_output=True, timeout=60
+        [sys.executable, "-c", _CHECK, str(PLUGIN.resolve())], capture_output=True, timeout=60
     )
     if installed.returncode == 0:
         return
