@@ -29,6 +29,7 @@ and types match the dataset's for the columns read. Anything else returns ``None
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import threading
@@ -186,93 +187,73 @@ class DataFiles:
     def read(self, rows: np.ndarray, columns: Sequence[str]) -> list[Sequence[pa.RecordBatch]]:
         """The batches of every row range (non-empty ``int64[k, 2]``), one sequence per range.
 
-        Returns at once: the reads run on a background thread (or, with ``threads > 1``, on
-        that many, see :meth:`_read_threaded`), and each range's sequence waits for them when
-        it is iterated, raising their errors there. So the Read stage's read-ahead overlaps a
-        fetch's range reads with the compute of the fetch before it, as a scan overlaps its
-        decoding on Lance's threads. Fetches are read one after the other, in the order
-        they were asked for.
+        Returns at once: the reads run on ``threads`` background threads, one task each
+        (:meth:`_read_files`), each data file's pieces in one task, the files dealt to the
+        tasks in turn. Each range's sequence waits for the fetch's tasks when it is iterated
+        (the chunk stage assembles a fetch whole, so nothing is gained by waiting for fewer)
+        and raises their errors there. So the Read stage's read-ahead overlaps a fetch's range
+        reads with the compute of the fetch before it, as a scan overlaps its decoding on
+        Lance's threads. The pool's threads end with their tasks (it is shut down without
+        waiting), so nothing outlives a fetch that is dropped half read.
         """
         cols = tuple(columns)
-        if self.threads > 1:
-            return self._read_threaded(rows, cols)
         which, file, lo, n = self.pieces(rows)
-        pieces = list(zip(which.tolist(), file.tolist(), lo.tolist(), n.tolist(), strict=True))
-        windows = [pieces[i : i + STREAMS_AT_ONCE] for i in range(0, len(pieces), STREAMS_AT_ONCE)]
-        done: list[Future] = [Future() for _ in windows]
-        pool = ThreadPoolExecutor(1, "slafload-read")
+        by_file: dict[int, list[tuple[int, int, int]]] = {}
+        for k, (f, a, m) in enumerate(zip(file.tolist(), lo.tolist(), n.tolist(), strict=True)):
+            by_file.setdefault(f, []).append((k, a, m))
+        files = list(by_file.items())
+        n_tasks = min(self.threads, len(files))
+        tables: list[pa.Table | None] = [None] * len(file)
+        pool = ThreadPoolExecutor(n_tasks, "slafload-read")
         try:
-            pool.submit(self._read_windows, windows, done, cols)
+            tasks = [
+                pool.submit(self._read_files, files[t::n_tasks], cols, tables)
+                for t in range(n_tasks)
+            ]
         finally:
-            pool.shutdown(wait=False)  # the thread ends with its task
-        parts: list[list[tuple[Future, int]]] = [[] for _ in range(len(rows))]
-        for window, future in zip(windows, done, strict=True):
-            for j, (w, *_) in enumerate(window):
-                parts[w].append((future, j))
-        return [_Pending(p) for p in parts]
+            pool.shutdown(wait=False)  # the threads end with their tasks
+        owner = [0] * len(file)  # the task reading each piece
+        for t in range(n_tasks):
+            for _, ps in files[t::n_tasks]:
+                for k, _, _ in ps:
+                    owner[k] = t
+        parts: list[list[int]] = [[] for _ in range(len(rows))]
+        for k, w in enumerate(which.tolist()):
+            parts[w].append(k)
+        return [_Pending([tasks[owner[k]] for k in p], tables, p) for p in parts]
 
-    def _read_windows(
-        self, windows: list[list[tuple[int, int, int, int]]], done: list[Future],
-        cols: tuple[str, ...],
+    def _read_files(
+        self, files: list[tuple[int, list[tuple[int, int, int]]]], cols: tuple[str, ...],
+        tables: list[pa.Table | None],
     ) -> None:  # fmt: skip
-        """Read the pieces window by window, each window's batches into its future.
+        """Read each file's pieces ``(k, first row, rows)`` into ``tables[k]``: one task.
 
+        A task per thread, not per file or range, and each piece read whole by one call: every
+        Python step of a read (a future, a queue hand-off, a batch pulled) must take the GIL
+        back, which the producer and the token worker hold for long stretches, so each step
+        saved per range is waiting saved (docs/sampling.md, "The GIL and the read threads").
         Streams are created :data:`STREAMS_AT_ONCE` at a time before any of them is consumed,
-        so Lance schedules their I/O together (1.9x faster than one by one, measured) while
-        the pages they hold stay bounded: all 8k streams of a fetch of single cells at once
-        peaked at 3 GB of RSS. A window's future is set as soon as it is read, so the first
-        ranges of a fetch are ready before its last. One fetch is read at a time; a failure
-        fails every window not yet read.
+        so Lance schedules their I/O together (1.9x faster than one by one on one thread,
+        measured) while the pages they hold stay bounded (all 8k streams of a fetch of single
+        cells at once peaked at 3 GB of RSS). A file reader serves one call at a time, so its
+        lock is held while a stream is created, not while it is read. With one thread, one
+        fetch is read at a time, in the order asked.
         """
-        with self._in_turn:
-            for k, (window, future) in enumerate(zip(windows, done, strict=True)):
-                try:
-                    streams = [
-                        self._reader(f, cols).read_range(a, m, batch_size=m).to_batches()
-                        for _, f, a, m in window
-                    ]
-                    future.set_result([[b for b in s if b.num_rows] for s in streams])
-                except BaseException as exc:
-                    for rest in done[k:]:
-                        rest.set_exception(exc)
-                    return
+        pieces = [(f, k, a, m) for f, ps in files for k, a, m in ps]
+        with self._in_turn if self.threads == 1 else contextlib.nullcontext():
+            for i in range(0, len(pieces), STREAMS_AT_ONCE):
+                window = pieces[i : i + STREAMS_AT_ONCE]
+                streams = [self._stream(f, cols, a, m) for f, _, a, m in window]
+                for (_, k, _, _), stream in zip(window, streams, strict=True):
+                    tables[k] = stream.to_table()  # one call: the GIL is taken back once
 
-    def _read_threaded(
-        self, rows: np.ndarray, cols: tuple[str, ...]
-    ) -> list[Sequence[pa.RecordBatch]]:
-        """One task per data file (its pieces in order) on ``threads`` threads, submitted now.
-
-        Returns at once: each range's sequence waits for its files' tasks when iterated and
-        raises their errors there. The pool's threads end when its tasks are done (the pool is
-        shut down without waiting), so nothing outlives a fetch that is dropped half read.
-        """
-        which, file, lo, n = self.pieces(rows)
-        by_file: dict[int, list[tuple[int, int]]] = {}
-        for f, a, m in zip(file.tolist(), lo.tolist(), n.tolist(), strict=True):
-            by_file.setdefault(f, []).append((a, m))
-        pool = ThreadPoolExecutor(min(self.threads, len(by_file)), "slafload-read")
-        try:
-            tasks = {f: pool.submit(self._read_file, f, cols, p) for f, p in by_file.items()}
-        finally:
-            pool.shutdown(wait=False)
-        taken = dict.fromkeys(by_file, 0)
-        parts: list[list[tuple[Future, int]]] = [[] for _ in range(len(rows))]
-        for w, f in zip(which.tolist(), file.tolist(), strict=True):
-            parts[w].append((tasks[f], taken[f]))
-            taken[f] += 1
-        return [_Pending(p) for p in parts]
-
-    def _read_file(
-        self, index: int, cols: tuple[str, ...], pieces: list[tuple[int, int]]
-    ) -> list[list[pa.RecordBatch]]:
+    def _stream(self, index: int, cols: tuple[str, ...], start: int, rows: int) -> Any:
+        """A started ``read_range`` of ``rows`` rows from ``start`` in data file ``index``."""
         entry = self._entry(index, cols)
         with entry.lock:
             if entry.reader is None:
                 entry.reader = self._new_reader(index, cols)
-            return [
-                [b for b in entry.reader.read_range(a, m, batch_size=m).to_batches() if b.num_rows]
-                for a, m in pieces
-            ]
+            return entry.reader.read_range(start, rows, batch_size=rows)
 
     def _entry(self, index: int, cols: tuple[str, ...]) -> _Open:
         key = (index, cols)
@@ -301,15 +282,25 @@ class DataFiles:
 
 
 class _Pending(Sequence[pa.RecordBatch]):
-    """One range's batches: its pieces' slots in their files' task results, waited for on use."""
+    """One range's batches: its pieces' tables, each read by a task, waited for on use.
 
-    def __init__(self, parts: list[tuple[Future, int]]):
-        self._parts = parts
+    Raises the error of a piece's task where that piece was not read.
+    """
+
+    def __init__(self, tasks: list[Future], tables: list[pa.Table | None], pieces: list[int]):
+        self._tasks, self._tables, self._pieces = tasks, tables, pieces
         self._batches: list[pa.RecordBatch] | None = None
 
     def _all(self) -> list[pa.RecordBatch]:
         if self._batches is None:
-            self._batches = [b for task, k in self._parts for b in task.result()[k]]
+            batches: list[pa.RecordBatch] = []
+            for task, k in zip(self._tasks, self._pieces, strict=True):
+                error = task.exception()  # waits for the task
+                table = self._tables[k]
+                if table is None:
+                    raise error if error is not None else RuntimeError(f"piece {k} not read")
+                batches.extend(b for b in table.to_batches() if b.num_rows)
+            self._batches = batches
         return self._batches
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
