@@ -105,7 +105,9 @@ class Batches(Stage[dict[str, np.ndarray]]):
 
 
 class ToTorch(Stage[Batch]):
-    """Each batch as torch tensors (zero-copy from contiguous arrays), pinned on request."""
+    """Each batch as torch tensors (zero-copy from contiguous, writable arrays; a read-only
+    view of Arrow memory, such as a piece's expression rows, is copied), pinned on request.
+    """
 
     def __init__(self, source: Iterator[Arrays], *, pin_memory: bool = False):
         super().__init__(source)
@@ -113,7 +115,13 @@ class ToTorch(Stage[Batch]):
 
     def __next__(self) -> Batch:
         arrays = next(self.source)
-        batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+        batch = {k: torch.from_numpy(_writable(v)) for k, v in arrays.items()}
         if self.pin_memory:
             batch = {k: v.pin_memory() for k, v in batch.items()}
         return batch
+
+
+def _writable(array: np.ndarray) -> np.ndarray:
+    """``array`` as a C-contiguous array torch may wrap: itself where it already is one."""
+    array = np.ascontiguousarray(array)
+    return array if array.flags.writeable else array.copy()

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from slafload import budget
-from slafload.buffers import copy_aligned_runs, fresh, scratch
+from slafload.buffers import gather_runs, scratch
 from slafload.dataset import SlafDataset
 from slafload.errors import InconsistentDataError
 from slafload.partition import Part
@@ -133,17 +133,9 @@ def split(chunk: Chunk, start: int, stop: int, size: int) -> Iterator[Chunk]:
     if start == 0 and stop >= chunk.n_cells and chunk.n_cells <= size:
         yield chunk
         return
-    lengths = chunk.lengths
     for first in range(start, stop, size):
         cells = chunk.order[first : min(first + size, stop)]
-        counts = lengths[cells]
-        indptr = np.zeros(len(cells) + 1, dtype=np.int64)
-        np.cumsum(counts, out=indptr[1:])
-        # One slice copy per cell (the gather through an expanded int64 row index cost 3.4x).
-        rows = int(indptr[-1])
-        genes, values = fresh(rows, chunk.genes.dtype), fresh(rows, chunk.values.dtype)
-        copy_aligned_runs([(genes, chunk.genes), (values, chunk.values)], indptr[:-1],
-                          chunk.indptr[cells], counts)  # fmt: skip
+        indptr, (genes, values) = gather_runs(chunk.indptr, [chunk.genes, chunk.values], cells)
         yield Chunk(chunk.fetch_index, chunk.cell_ids[cells], indptr, genes, values,
                     np.arange(len(cells), dtype=np.int64))  # fmt: skip
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import slafload
-from slafload.buffers import RowBuffers, copy_aligned_runs, fresh
+from slafload.buffers import RowBuffers, copy_aligned_runs, fresh, gather_runs
 
 
 def _address(array: np.ndarray) -> int:
@@ -87,6 +87,28 @@ def test_copy_aligned_runs_copies_each_run_with_casting():
     src = np.arange(6, dtype=np.uint16)
     copy_aligned_runs([(dst, src)], np.array([0, 6]), np.array([1, 4]), np.array([3, 2]))
     np.testing.assert_array_equal(dst, [1, 2, 3, 0, 0, 0, 4, 5, 0, 0])
+
+
+@pytest.mark.parametrize(
+    "dtypes", [(np.uint16, np.float32), (np.int32, np.uint16), (np.int64, np.float64)]
+)
+def test_gather_runs_equals_a_loop_of_slices_with_empty_and_repeated_runs(dtypes):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 9, 50)
+    lengths[[0, 7, 49]] = 0  # empty runs, at the ends too
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    arrays = [rng.integers(0, 1000, int(indptr[-1])).astype(t) for t in dtypes]
+    rows = np.concatenate([rng.permutation(50), [3, 3, 0, 49]])  # any order, repeats
+    offsets, got = gather_runs(indptr, arrays, rows)
+    np.testing.assert_array_equal(offsets, np.concatenate([[0], np.cumsum(lengths[rows])]))
+    assert offsets.dtype == np.int64
+    for array, out in zip(arrays, got, strict=True):
+        assert out.dtype == array.dtype
+        want = np.concatenate([array[indptr[r] : indptr[r + 1]] for r in rows])
+        np.testing.assert_array_equal(out, want)
+    empty_offsets, empty = gather_runs(indptr, arrays, np.array([], dtype=np.int64))
+    np.testing.assert_array_equal(empty_offsets, [0])
+    assert [len(e) for e in empty] == [0, 0]
 
 
 def test_batches_held_by_the_consumer_keep_their_tokens(tmp_path):
