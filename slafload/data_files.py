@@ -15,8 +15,8 @@ then its data: ~5 for the expression table's three columns), each paying the sto
 and a pylance file reader serves one call at a time. So with ``threads > 1`` (the default:
 :data:`REMOTE_THREADS` for ``s3://``-style URIs, :data:`LOCAL_THREADS` for local files, where
 each range still pays a fixed ~0.2 ms of Lance's scheduling, whatever its size) the pieces of
-a fetch are read by one task per data file on that many threads; with one, by one background
-thread. Either way :meth:`DataFiles.read` returns as soon as they are submitted: each range's
+a fetch are read by one task per thread, each data file's pieces in one task; with one, by one
+background thread. Either way :meth:`DataFiles.read` returns as soon as they are submitted: each range's
 batches are waited for when they are iterated, so the Read stage's read-ahead overlaps the
 next fetch's requests with this one's compute. Readers on an object
 store share one ``LanceFileSession`` (one client and connection pool) instead of a client each.
@@ -206,8 +206,9 @@ class DataFiles:
         tables: list[pa.Table | None] = [None] * len(file)
         pool = ThreadPoolExecutor(n_tasks, "slafload-read")
         try:
+            window = max(1, STREAMS_AT_ONCE // n_tasks)  # streams alive per fetch, in all
             tasks = [
-                pool.submit(self._read_files, files[t::n_tasks], cols, tables)
+                pool.submit(self._read_files, files[t::n_tasks], cols, tables, window)
                 for t in range(n_tasks)
             ]
         finally:
@@ -224,7 +225,7 @@ class DataFiles:
 
     def _read_files(
         self, files: list[tuple[int, list[tuple[int, int, int]]]], cols: tuple[str, ...],
-        tables: list[pa.Table | None],
+        tables: list[pa.Table | None], window: int,
     ) -> None:  # fmt: skip
         """Read each file's pieces ``(k, first row, rows)`` into ``tables[k]``: one task.
 
@@ -232,19 +233,19 @@ class DataFiles:
         Python step of a read (a future, a queue hand-off, a batch pulled) must take the GIL
         back, which the producer and the token worker hold for long stretches, so each step
         saved per range is waiting saved (docs/sampling.md, "The GIL and the read threads").
-        Streams are created :data:`STREAMS_AT_ONCE` at a time before any of them is consumed,
-        so Lance schedules their I/O together (1.9x faster than one by one on one thread,
-        measured) while the pages they hold stay bounded (all 8k streams of a fetch of single
-        cells at once peaked at 3 GB of RSS). A file reader serves one call at a time, so its
+        Streams are created ``window`` at a time before any of them is consumed (the tasks of
+        a fetch share :data:`STREAMS_AT_ONCE`), so Lance schedules their I/O together (1.9x
+        faster than one by one on one thread, measured) while the pages they hold stay
+        bounded (all 8k streams of a fetch of single cells at once peaked at 3 GB of RSS). A file reader serves one call at a time, so its
         lock is held while a stream is created, not while it is read. With one thread, one
         fetch is read at a time, in the order asked.
         """
         pieces = [(f, k, a, m) for f, ps in files for k, a, m in ps]
         with self._in_turn if self.threads == 1 else contextlib.nullcontext():
-            for i in range(0, len(pieces), STREAMS_AT_ONCE):
-                window = pieces[i : i + STREAMS_AT_ONCE]
-                streams = [self._stream(f, cols, a, m) for f, _, a, m in window]
-                for (_, k, _, _), stream in zip(window, streams, strict=True):
+            for i in range(0, len(pieces), window):
+                some = pieces[i : i + window]
+                streams = [self._stream(f, cols, a, m) for f, _, a, m in some]
+                for (_, k, _, _), stream in zip(some, streams, strict=True):
                     tables[k] = stream.to_table()  # one call: the GIL is taken back once
 
     def _stream(self, index: int, cols: tuple[str, ...], start: int, rows: int) -> Any:
