@@ -203,50 +203,60 @@ class DataFiles:
             by_file.setdefault(f, []).append((k, a, m))
         files = list(by_file.items())
         n_tasks = min(self.threads, len(files))
+        window = max(1, STREAMS_AT_ONCE // n_tasks)  # streams alive per fetch, in all
         tables: list[pa.Table | None] = [None] * len(file)
+        plans = [_windows(files[t::n_tasks], window, first=t == 0) for t in range(n_tasks)]
+        events = [[threading.Event() for _ in plan] for plan in plans]  # one per window
         pool = ThreadPoolExecutor(n_tasks, "slafload-read")
         try:
-            window = max(1, STREAMS_AT_ONCE // n_tasks)  # streams alive per fetch, in all
             tasks = [
-                pool.submit(self._read_files, files[t::n_tasks], cols, tables, window)
-                for t in range(n_tasks)
+                pool.submit(self._read_windows, plan, cols, tables, done)
+                for plan, done in zip(plans, events, strict=True)
             ]
         finally:
             pool.shutdown(wait=False)  # the threads end with their tasks
-        owner = [0] * len(file)  # the task reading each piece
-        for t in range(n_tasks):
-            for _, ps in files[t::n_tasks]:
-                for k, _, _ in ps:
-                    owner[k] = t
+        owner: list[tuple[Future, threading.Event]] = [(tasks[0], events[0][0])] * len(file)
+        for task, plan, done in zip(tasks, plans, events, strict=True):
+            for some, read in zip(plan, done, strict=True):
+                for _, k, _, _ in some:
+                    owner[k] = (task, read)  # the task reading the piece, its window's event
         parts: list[list[int]] = [[] for _ in range(len(rows))]
         for k, w in enumerate(which.tolist()):
             parts[w].append(k)
-        return [_Pending([tasks[owner[k]] for k in p], tables, p) for p in parts]
+        return [_Pending([owner[k] for k in p], tables, p) for p in parts]
 
-    def _read_files(
-        self, files: list[tuple[int, list[tuple[int, int, int]]]], cols: tuple[str, ...],
-        tables: list[pa.Table | None], window: int,
+    def _read_windows(
+        self, plan: list[list[tuple[int, int, int, int]]], cols: tuple[str, ...],
+        tables: list[pa.Table | None], done: list[threading.Event],
     ) -> None:  # fmt: skip
-        """Read each file's pieces ``(k, first row, rows)`` into ``tables[k]``: one task.
+        """Read one task's pieces ``(file, k, first row, rows)``, window by window, into
+        ``tables[k]``, setting a window's event ``done[i]`` once it is read (and every event
+        left, if the task fails).
 
         A task per thread, not per file or range, and each piece read whole by one call: every
         Python step of a read (a future, a queue hand-off, a batch pulled) must take the GIL
         back, which the producer and the token worker hold for long stretches, so each step
         saved per range is waiting saved (docs/sampling.md, "The GIL and the read threads").
-        Streams are created ``window`` at a time before any of them is consumed (the tasks of
-        a fetch share :data:`STREAMS_AT_ONCE`), so Lance schedules their I/O together (1.9x
-        faster than one by one on one thread, measured) while the pages they hold stay
-        bounded (all 8k streams of a fetch of single cells at once peaked at 3 GB of RSS). A file reader serves one call at a time, so its
-        lock is held while a stream is created, not while it is read. With one thread, one
-        fetch is read at a time, in the order asked.
+        A window's streams are all created before any of them is consumed, so Lance schedules
+        their I/O together (1.9x faster than one by one on one thread, measured) while the
+        pages they hold stay bounded (all 8k streams of a fetch of single cells at once peaked
+        at 3 GB of RSS). The first task's first window is the fetch's first piece alone, so
+        the fetch's first range, which the Read stage's read-ahead waits for (it takes each
+        fetch as far as its first batch), waits for one read, not for a task's share of the
+        fetch (the producer spent 40-58% of its time there at 5M). A file reader serves one call at a time, so its lock
+        is held while a stream is created, not while it is read. With one thread, one fetch is
+        read at a time, in the order asked.
         """
-        pieces = [(f, k, a, m) for f, ps in files for k, a, m in ps]
-        with self._in_turn if self.threads == 1 else contextlib.nullcontext():
-            for i in range(0, len(pieces), window):
-                some = pieces[i : i + window]
-                streams = [self._stream(f, cols, a, m) for f, _, a, m in some]
-                for (_, k, _, _), stream in zip(some, streams, strict=True):
-                    tables[k] = stream.to_table()  # one call: the GIL is taken back once
+        try:
+            with self._in_turn if self.threads == 1 else contextlib.nullcontext():
+                for some, read in zip(plan, done, strict=True):
+                    streams = [self._stream(f, cols, a, m) for f, _, a, m in some]
+                    for (_, k, _, _), stream in zip(some, streams, strict=True):
+                        tables[k] = stream.to_table()  # one call: the GIL is taken back once
+                    read.set()
+        finally:
+            for read in done:
+                read.set()
 
     def _stream(self, index: int, cols: tuple[str, ...], start: int, rows: int) -> Any:
         """A started ``read_range`` of ``rows`` rows from ``start`` in data file ``index``."""
@@ -282,23 +292,39 @@ class DataFiles:
         return entry.reader
 
 
+def _windows(
+    files: list[tuple[int, list[tuple[int, int, int]]]], window: int, *, first: bool
+) -> list[list[tuple[int, int, int, int]]]:
+    """The pieces ``(file, k, first row, rows)`` of ``files``, in order, cut into windows of
+    ``window``; with ``first``, the first piece is a window of its own.
+    """
+    pieces = [(f, k, a, m) for f, ps in files for k, a, m in ps]
+    head = 1 if first and pieces else 0
+    rest = [pieces[i : i + window] for i in range(head, len(pieces), window)]
+    return [pieces[:head], *rest] if head else rest
+
+
 class _Pending(Sequence[pa.RecordBatch]):
-    """One range's batches: its pieces' tables, each read by a task, waited for on use.
+    """One range's batches: its pieces' tables, each waited for (its window's event) on use.
 
     Raises the error of a piece's task where that piece was not read.
     """
 
-    def __init__(self, tasks: list[Future], tables: list[pa.Table | None], pieces: list[int]):
-        self._tasks, self._tables, self._pieces = tasks, tables, pieces
+    def __init__(
+        self, waits: list[tuple[Future, threading.Event]], tables: list[pa.Table | None],
+        pieces: list[int],
+    ):  # fmt: skip
+        self._waits, self._tables, self._pieces = waits, tables, pieces
         self._batches: list[pa.RecordBatch] | None = None
 
     def _all(self) -> list[pa.RecordBatch]:
         if self._batches is None:
             batches: list[pa.RecordBatch] = []
-            for task, k in zip(self._tasks, self._pieces, strict=True):
-                error = task.exception()  # waits for the task
+            for (task, read), k in zip(self._waits, self._pieces, strict=True):
+                read.wait()
                 table = self._tables[k]
                 if table is None:
+                    error = task.exception()  # the task has failed: wait for its error
                     raise error if error is not None else RuntimeError(f"piece {k} not read")
                 batches.extend(b for b in table.to_batches() if b.num_rows)
             self._batches = batches

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import lance
 import numpy as np
 import pyarrow as pa
@@ -119,6 +122,45 @@ def test_a_background_read_that_fails_raises_when_its_range_is_used(dataset, thr
     assert sum(b.num_rows for b in got[0]) == 5
     with pytest.raises(Exception, match="missing|not found|No such file"):
         list(got[1])
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_first_range_is_ready_while_the_rest_of_the_fetch_is_still_being_read(
+    dataset, threads, monkeypatch
+):
+    """The read-ahead waits for a fetch's first range: that must cost one read, not a task's
+    share of the fetch (every other read is held here until the first range is in hand).
+    """
+    files = DataFiles.of(dataset.expression, COLUMNS, threads=threads)
+    rows = np.array([[a, a + 30] for a in range(0, 3000, 150)], dtype=np.int64)
+    first = (int(files.pieces(rows)[1][0]), int(files.pieces(rows)[2][0]))
+    release, held = threading.Event(), []
+    stream = DataFiles._stream
+
+    def holding(self, index, cols, start, n):
+        if (index, start) != first:
+            held.append(index)
+            assert release.wait(timeout=60), "the first range waited for a held read"
+        return stream(self, index, cols, start, n)
+
+    monkeypatch.setattr(DataFiles, "_stream", holding)
+    got = files.read(rows, COLUMNS)
+    ready: list[pa.Table] = []
+    reader = threading.Thread(target=lambda: ready.append(pa.Table.from_batches(got[0])))
+    reader.start()
+    reader.join(timeout=30)
+    assert ready, "the first range is not ready while the other reads are held"
+    for _ in range(600):  # other reads have started and are being held
+        if held:
+            break
+        time.sleep(0.05)
+    assert held
+    release.set()
+    for (a, b), batches in zip(rows.tolist(), got, strict=True):
+        assert pa.Table.from_batches(batches).equals(
+            dataset.expression.take(list(range(a, b)), columns=COLUMNS)
+        )
+    assert ready[0].num_rows == 30
 
 
 def test_reads_use_more_threads_by_default_on_object_stores(dataset):
