@@ -181,8 +181,10 @@ def copy_aligned_runs(
 
     A loop of slice copies (memcpy, one numpy call per run): for runs of hundreds of tokens it
     costs a fifteenth of a scatter through expanded flat indices, which must first build and
-    then read an index per token (measured in docs/benchmarks.md). Aligned streams (scGPT's gene ids and value bins, raw's gene ids and values) share their
-    run offsets, so the loop's per-run Python cost is paid once, not once per stream.
+    then read an index per token (measured in docs/benchmarks.md). Aligned streams (scGPT's
+    gene ids and value bins, raw's gene ids and values) share their run offsets, so the loop's
+    per-run Python cost is paid once, not once per stream. Gathering whole runs into one
+    contiguous array is :func:`gather_runs`' job (native, GIL released).
     """
     for d, s, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True):
         for dst, src in pairs:

@@ -16,10 +16,10 @@ and a pylance file reader serves one call at a time. So with ``threads > 1`` (th
 :data:`REMOTE_THREADS` for ``s3://``-style URIs, :data:`LOCAL_THREADS` for local files, where
 each range still pays a fixed ~0.2 ms of Lance's scheduling, whatever its size) the pieces of
 a fetch are read by one task per thread, each data file's pieces in one task; with one, by one
-background thread. Either way :meth:`DataFiles.read` returns as soon as they are submitted: each range's
-batches are waited for when they are iterated, so the Read stage's read-ahead overlaps the
-next fetch's requests with this one's compute. Readers on an object
-store share one ``LanceFileSession`` (one client and connection pool) instead of a client each.
+background thread. Either way :meth:`DataFiles.read` returns as soon as they are submitted:
+each range's batches are waited for when they are iterated, so the Read stage's read-ahead
+overlaps the next fetch's requests with this one's compute. Readers on an object store share
+one ``LanceFileSession`` (one client and connection pool) instead of a client each.
 
 Only tables where this is exact take this path: every fragment has exactly one data file
 holding every column, no deletion file, no extra base path, and the data files' schema names
@@ -188,13 +188,12 @@ class DataFiles:
         """The batches of every row range (non-empty ``int64[k, 2]``), one sequence per range.
 
         Returns at once: the reads run on ``threads`` background threads, one task each
-        (:meth:`_read_files`), each data file's pieces in one task, the files dealt to the
-        tasks in turn. Each range's sequence waits for the fetch's tasks when it is iterated
-        (the chunk stage assembles a fetch whole, so nothing is gained by waiting for fewer)
-        and raises their errors there. So the Read stage's read-ahead overlaps a fetch's range
-        reads with the compute of the fetch before it, as a scan overlaps its decoding on
-        Lance's threads. The pool's threads end with their tasks (it is shut down without
-        waiting), so nothing outlives a fetch that is dropped half read.
+        (:meth:`_read_windows`), each data file's pieces in one task, the files dealt to the
+        tasks in turn. Each range's sequence waits, when it is iterated, for the windows that
+        read its pieces, and raises their task's error there. So the Read stage's read-ahead
+        overlaps a fetch's range reads with the compute of the fetch before it, as a scan
+        overlaps its decoding on Lance's threads. The pool's threads end with their tasks (it
+        is shut down without waiting), so nothing outlives a fetch that is dropped half read.
         """
         cols = tuple(columns)
         which, file, lo, n = self.pieces(rows)
@@ -215,11 +214,12 @@ class DataFiles:
             ]
         finally:
             pool.shutdown(wait=False)  # the threads end with their tasks
-        owner: list[tuple[Future, threading.Event]] = [(tasks[0], events[0][0])] * len(file)
-        for task, plan, done in zip(tasks, plans, events, strict=True):
-            for some, read in zip(plan, done, strict=True):
-                for _, k, _, _ in some:
-                    owner[k] = (task, read)  # the task reading the piece, its window's event
+        owner = {  # each piece's task and its window's event
+            k: (task, read)
+            for task, plan, done in zip(tasks, plans, events, strict=True)
+            for some, read in zip(plan, done, strict=True)
+            for _, k, _, _ in some
+        }
         parts: list[list[int]] = [[] for _ in range(len(rows))]
         for k, w in enumerate(which.tolist()):
             parts[w].append(k)
@@ -243,9 +243,9 @@ class DataFiles:
         at 3 GB of RSS). The first task's first window is the fetch's first piece alone, so
         the fetch's first range, which the Read stage's read-ahead waits for (it takes each
         fetch as far as its first batch), waits for one read, not for a task's share of the
-        fetch (the producer spent 40-58% of its time there at 5M). A file reader serves one call at a time, so its lock
-        is held while a stream is created, not while it is read. With one thread, one fetch is
-        read at a time, in the order asked.
+        fetch (the producer spent 40-58% of its time there at 5M). A file reader serves one
+        call at a time, so its lock is held while a stream is created, not while it is read.
+        With one thread, one fetch is read at a time, in the order asked.
         """
         try:
             with self._in_turn if self.threads == 1 else contextlib.nullcontext():
@@ -262,9 +262,7 @@ class DataFiles:
         """A started ``read_range`` of ``rows`` rows from ``start`` in data file ``index``."""
         entry = self._entry(index, cols)
         with entry.lock:
-            if entry.reader is None:
-                entry.reader = self._new_reader(index, cols)
-            return entry.reader.read_range(start, rows, batch_size=rows)
+            return self._opened(entry, index, cols).read_range(start, rows, batch_size=rows)
 
     def _entry(self, index: int, cols: tuple[str, ...]) -> _Open:
         key = (index, cols)
@@ -285,11 +283,14 @@ class DataFiles:
             self.paths[index], storage_options=self.storage_options, columns=list(cols)
         )
 
-    def _reader(self, index: int, columns: tuple[str, ...]) -> LanceFileReader:
-        entry = self._entry(index, columns)
+    def _opened(self, entry: _Open, index: int, cols: tuple[str, ...]) -> LanceFileReader:
+        """``entry``'s reader of data file ``index``, opened on first use."""
         if entry.reader is None:
-            entry.reader = self._new_reader(index, columns)
+            entry.reader = self._new_reader(index, cols)
         return entry.reader
+
+    def _reader(self, index: int, columns: tuple[str, ...]) -> LanceFileReader:
+        return self._opened(self._entry(index, columns), index, columns)
 
 
 def _windows(
