@@ -48,7 +48,7 @@ def h5ads(tmp_path_factory):
 def test_help_describes_every_command(capsys):
     run = slafload_cli("--help")
     assert run.returncode == 0
-    for command in ("convert", "info", "synth", "bench"):
+    for command in ("convert", "info", "optimize", "synth", "bench"):
         assert command in run.stdout
     with pytest.raises(SystemExit) as exited:
         main(["convert", "--help"])
