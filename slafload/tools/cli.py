@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
         help="rewrite the expression table for cheaper random reads (a new Lance version)",
         description="Rewrite expression.lance, same rows in the same order, in Lance's 2.0 file "
         "format (and optionally into larger data files) as a new Lance version. Random block "
-        "reads (BlockShuffle) cost about half the CPU; the table takes ~2.7x the disk. Tokens "
+        "reads (BlockShuffle) cost about half the CPU; the table takes ~2.9x the disk. Tokens "
         "are unchanged; the previous version stays readable until Lance's "
         "cleanup_old_versions removes it. See docs/sampling.md.",
     )

@@ -12,7 +12,7 @@ counts) but every range read re-reads and decodes its pages' metadata, ~0.2 ms o
 call however few rows it returns (``pylance`` 14's file reader has no metadata cache). The 2.0
 format stores each page whole, its metadata loaded once when a file is opened, so a range read
 costs about half the CPU. The loader's range reads are what ``BlockShuffle`` pays per block,
-so it gains most; the price is disk (and bytes fetched from object storage): ~2.7x here, the
+so it gains most; the price is disk (and bytes fetched from object storage): ~2.9x here, the
 columns' plain widths. Measured numbers: ``docs/sampling.md`` ("Rewriting into Lance 2.0").
 
 ``rows_per_file`` also merges data files, for tables with more data files than the loader keeps
