@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import resource
+import subprocess
+import sys
 import threading
 import time
 
@@ -172,3 +175,33 @@ def test_reads_use_more_threads_by_default_on_object_stores(dataset):
     assert not is_remote("/tmp/a.slaf") and not is_remote("file:///tmp/a.slaf")
     with pytest.raises(ValueError, match="threads must be >= 1"):
         DataFiles(["a"], np.array([0, 10]), threads=0)
+
+
+@pytest.mark.parametrize("hard", [None, 80])
+def test_a_low_open_files_limit_is_raised_so_every_data_file_stays_open(dataset, hard):
+    """In a child process (the limit is process-wide): soft limit 64, the table 25 data files."""
+    n_files = DataFiles.of(dataset.expression, COLUMNS).n_files
+    if hard is None and resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4 * n_files:
+        pytest.skip("this machine's hard open-files limit is below what the test raises to")
+    code = f"""
+import logging, resource, sys
+_, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, {hard} or hard))
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+from slafload import open_dataset
+from slafload.data_files import DataFiles
+from slafload.reader import COLUMNS
+files = DataFiles.of(open_dataset({str(dataset.uri)!r}).expression, COLUMNS)
+print("RESULT", files.max_open, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    max_open, soft = map(int, run.stdout.split("RESULT")[1].split())
+    if hard is None:  # room to raise it: every reader stays open, and no warning
+        assert (soft, max_open) == (4 * n_files, n_files)
+        assert "raised the soft open-files limit from 64 to 100" in run.stdout
+        assert "WARNING" not in run.stdout
+    else:  # raised as far as the hard limit goes, and the user is told how to go further
+        assert (soft, max_open) == (80, 20) and n_files > 20
+        assert f"has {n_files} data files" in run.stdout and "ulimit -n" in run.stdout
