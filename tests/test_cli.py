@@ -76,6 +76,9 @@ def test_convert_then_info_describe_the_same_dataset(tmp_path, h5ads):
     assert "plate: String, 3 distinct: plate_0, plate_1, plate_2" in info.stdout
     assert "source: String, 2 distinct: part0, part1" in info.stdout
     assert "expression: version 1, 1 fragment(s)" in info.stdout
+    assert "format     Lance 2.2 (the expression table's data files); `slafload optimize`" in (
+        info.stdout
+    )
 
 
 def test_a_missing_input_prints_one_line_and_exits_2(tmp_path):

@@ -110,6 +110,9 @@ def test_the_command_reports_what_it_rewrote(atlas, capsys):
     assert main(["optimize", str(atlas), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "Lance 2.2 -> 2.0" in out and f"{open_dataset(atlas).n_rows:,} rows" in out
+    assert main(["info", str(atlas)]) == 0
+    info = capsys.readouterr().out
+    assert "format     Lance 2.0 (the expression table's data files)\n" in info
     assert main(["optimize", str(atlas), "--no-progress"]) == 0
     assert "nothing to do" in capsys.readouterr().out
     assert main(["optimize", str(atlas), "--rows-per-file", "-3", "--no-progress"]) == 2

@@ -82,3 +82,25 @@ def test_a_missing_s3_dataset_names_the_uri(s3_endpoint):
         ConfigError, match=r"s3://empty-bucket/nope\.slaf/config\.json.* is missing"
     ):
         open_dataset("s3://empty-bucket/nope.slaf", storage_options=options)
+
+
+def test_optimize_rewrites_a_dataset_on_s3_and_its_tokens_stay_those_of_the_local_copy(
+    tmp_path, s3_endpoint
+):
+    from slafload.tools.optimize import optimize
+
+    local = write_dense(tmp_path / "o.slaf", random_counts(80, 25, seed=8), max_rows_per_file=150)
+    uri = upload(local, s3_endpoint, "opt-bucket", "o.slaf")
+    options = {**KEYS, "aws_region": REGION, "aws_endpoint": s3_endpoint, "allow_http": "true"}
+    report = optimize(uri, storage_options=options, progress=False)
+    assert report.changed and report.storage_versions == ("2.2", "2.0") and report.bytes[1] > 0
+
+    remote = open_dataset(uri, storage_options=options)
+    assert remote.versions["expression"] == report.versions[1]
+    assert Reader(remote).data_files() is not None  # the direct path reads the 2.0 files
+    blocks = {"sampler": BlockShuffle(block_size=3, fetch_factor=2, batch_size=16)}
+    want, got = tokens(local, "scgpt", **blocks), tokens(remote, "scgpt", **blocks)
+    assert len(want) == len(got) == 5
+    for a, b in zip(want, got, strict=True):
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])

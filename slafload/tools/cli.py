@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
         "info",
         help="summarise a SLAF dataset",
         description="Cells, genes, non-zeros, sparsity, obs columns (with categories), and the "
-        "Lance version and fragment count of each table.",
+        "Lance version and fragment count of each table, and the expression table's Lance file "
+        "format.",
     )
     i.add_argument("path", metavar="PATH", help="SLAF dataset directory or URI")
 
@@ -204,8 +205,11 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from slafload import open_dataset
+    from slafload.tools.optimize import file_format
 
     ds = open_dataset(args.path)
+    fmt = file_format(ds.expression)
+    hint = "" if fmt == "2.0" else "; `slafload optimize` rewrites them in 2.0 for cheaper reads"
     total = ds.n_cells * ds.n_genes
     lines = [
         f"dataset    {ds.uri}",
@@ -219,6 +223,7 @@ def _info(args: argparse.Namespace) -> int:
             f"{name}: version {version}, {len(getattr(ds, name).get_fragments())} fragment(s)"
             for name, version in ds.versions.items()
         ),
+        f"format     Lance {fmt} (the expression table's data files){hint}",
         "obs columns",
     ]
     skip = {"cell_integer_id", "cell_start_index"}

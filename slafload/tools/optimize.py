@@ -38,7 +38,7 @@ import pyarrow as pa
 from slafload.dataset import open_dataset
 from slafload.tools.progress import progress_bar
 
-__all__ = ["OptimizeReport", "optimize"]
+__all__ = ["OptimizeReport", "file_format", "optimize"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +122,20 @@ def optimize(
     )  # fmt: skip
 
 
-def _summary(table: lance.LanceDataset) -> tuple[str, int, int]:
-    """``(storage version, data files, data bytes)`` of a pinned table version."""
+def file_format(table: lance.LanceDataset) -> str:
+    """The Lance file format of a pinned table version's data files: ``"2.0"``, ``"2.2"``...
+
+    Several, comma-separated, in a table that mixes them.
+    """
     files = [f for fragment in table.get_fragments() for f in fragment.metadata.files]
-    versions = {f"{f.file_major_version}.{f.file_minor_version}" for f in files}
-    storage = versions.pop() if len(versions) == 1 else table.data_storage_version
+    found = {(f.file_major_version, f.file_minor_version) for f in files}
+    return ", ".join(f"{major}.{minor}" for major, minor in sorted(found)) or "none"
+
+
+def _summary(table: lance.LanceDataset) -> tuple[str, int, int]:
+    """``(file format, data files, data bytes)`` of a pinned table version."""
+    files = [f for fragment in table.get_fragments() for f in fragment.metadata.files]
+    storage = file_format(table)
     data = table.uri.rstrip("/") + "/data/"
     sizes = [
         f.file_size_bytes
