@@ -110,6 +110,7 @@ def test_the_command_reports_what_it_rewrote(atlas, capsys):
     assert main(["optimize", str(atlas), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "Lance 2.2 -> 2.0" in out and f"{open_dataset(atlas).n_rows:,} rows" in out
+    assert "version 1 is kept (--delete-old-versions removes it)" in out
     assert main(["info", str(atlas)]) == 0
     info = capsys.readouterr().out
     assert "format     Lance 2.0 (the expression table's data files)\n" in info
@@ -117,3 +118,15 @@ def test_the_command_reports_what_it_rewrote(atlas, capsys):
     assert "nothing to do" in capsys.readouterr().out
     assert main(["optimize", str(atlas), "--rows-per-file", "-3", "--no-progress"]) == 2
     assert "rows_per_file must be a positive integer" in capsys.readouterr().err
+
+
+def test_delete_old_versions_removes_the_previous_version_and_its_files(atlas):
+    data = atlas / "expression.lance" / "data"
+    before = open_dataset(atlas)
+    want = batches(atlas, ChunkShuffle(chunk_cells=64))
+    report = optimize(atlas, rows_per_file=700, delete_old_versions=True, progress=False)
+    assert report.freed_bytes >= report.bytes[0] > 0  # data files, manifests, transactions
+    assert len(list(data.iterdir())) == report.data_files[1]
+    with pytest.raises(DatasetError, match="version"):
+        open_dataset(atlas, version=before.versions["expression"])
+    assert_same(want, batches(atlas, ChunkShuffle(chunk_cells=64)))

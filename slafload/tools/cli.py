@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     o.add_argument(
         "--rows-per-file", type=int, metavar="N", help="rows per data file (default: Lance's)"
     )
+    o.add_argument(
+        "--delete-old-versions",
+        action="store_true",
+        help="then delete the expression table's older versions and their files (checkpoints "
+        "taken before can no longer be resumed)",
+    )
     o.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     s = sub.add_parser(
@@ -254,6 +260,7 @@ def _optimize(args: argparse.Namespace) -> int:
         args.path,
         storage_version=args.storage_version,
         rows_per_file=args.rows_per_file,
+        delete_old_versions=args.delete_old_versions,
         progress=not args.no_progress,
     )
     if not r.changed:
@@ -264,6 +271,11 @@ def _optimize(args: argparse.Namespace) -> int:
         f"{r.versions[1]}, Lance {r.storage_versions[0]} -> {r.storage_versions[1]}, "
         f"{r.data_files[0]:,} -> {r.data_files[1]:,} data files, "
         f"{r.bytes[0] / 1e9:.2f} -> {r.bytes[1] / 1e9:.2f} GB, {r.seconds:.0f} s"
+        + (
+            f"; deleted the older versions ({r.freed_bytes / 1e9:.2f} GB)"
+            if args.delete_old_versions
+            else f"; version {r.versions[0]} is kept (--delete-old-versions removes it)"
+        )
     )
     return 0
 

@@ -20,7 +20,8 @@ open (a quarter of the descriptor limit, at most 8,192), where a block in an evi
 for reopening it.
 
 The previous version stays readable (a run resumed from a checkpoint taken before keeps
-reading it) until removed with Lance's ``LanceDataset.cleanup_old_versions``.
+reading it, and the disk holds both) until ``delete_old_versions`` (``--delete-old-versions``)
+or Lance's ``LanceDataset.cleanup_old_versions`` removes it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Final, Literal, get_args
 
 import lance
@@ -60,6 +62,7 @@ class OptimizeReport:
     data_files: tuple[int, int]
     bytes: tuple[int, int]  # data file bytes before, after
     seconds: float
+    freed_bytes: int = 0  # removed with the older versions (``delete_old_versions``)
 
 
 def optimize(
@@ -68,6 +71,7 @@ def optimize(
     storage_version: StorageVersion = STORAGE_VERSION,
     rows_per_file: int | None = None,
     storage_options: Mapping[str, str] | None = None,
+    delete_old_versions: bool = False,
     progress: bool = True,
 ) -> OptimizeReport:
     """Rewrite ``uri``'s expression table in ``storage_version``, as a new Lance version.
@@ -77,6 +81,9 @@ def optimize(
         storage_version: Lance file format of the new data files (``"2.0"``; ``"2.2"`` undoes).
         rows_per_file: Rows per new data file; ``None`` keeps Lance's default (~1M rows).
         storage_options: Lance storage options for object stores.
+        delete_old_versions: Once the new version is written and validated, delete every
+            older version of the expression table and its files. Checkpoints taken before
+            can then no longer be resumed.
         progress: Show a progress bar over the rows.
 
     Returns:
@@ -115,10 +122,13 @@ def optimize(
         raise RuntimeError(f"rewrote {new.n_rows:,} rows of {ds.n_rows:,}; restore version "
                            f"{table.version} with LanceDataset.restore()")  # fmt: skip
     after = _summary(new.expression)
+    freed = 0
+    if delete_old_versions:
+        freed = new.expression.cleanup_old_versions(older_than=timedelta(0)).bytes_removed
     return OptimizeReport(
         ds.uri, True, ds.n_rows, (table.version, new.expression.version),
         (before[0], after[0]), (before[1], after[1]), (before[2], after[2]),
-        time.perf_counter() - started,
+        time.perf_counter() - started, freed,
     )  # fmt: skip
 
 
