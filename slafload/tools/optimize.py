@@ -15,9 +15,10 @@ costs about half the CPU. The loader's range reads are what ``BlockShuffle`` pay
 so it gains most; the price is disk (and bytes fetched from object storage): ~2.9x here, the
 columns' plain widths. Measured numbers: ``docs/sampling.md`` ("Rewriting into Lance 2.0").
 
-``rows_per_file`` also merges data files, for tables with more data files than the loader keeps
-open (a quarter of the descriptor limit, at most 8,192), where a block in an evicted file pays
-for reopening it.
+``rows_per_file`` also merges data files. That helps tables with more data files than the
+loader keeps open (a quarter of the descriptor limit, at most 8,192), where a block in an
+evicted file pays for reopening it. It also helps the start of every run, when each file is
+opened for the first time. Once every file is open, the file count makes no difference.
 
 The previous version stays readable (a run resumed from a checkpoint taken before keeps
 reading it, and the disk holds both) until ``delete_old_versions`` (``--delete-old-versions``)
