@@ -140,13 +140,17 @@ def test_ctrl_c_while_the_consumer_waits_for_a_batch_stops_the_producer(busy_dat
 
     def interrupt_once_busy() -> None:
         if signal.entered.wait(30):
+            # No batch can exist while the chunk is held, so the main thread is (or will
+            # shortly be) blocked in next(): give it time to get there, so the interrupt
+            # cannot land in Thread.start() above, outside pytest.raises (seen 1 run in 25).
+            time.sleep(0.2)
             _thread.interrupt_main()  # what Ctrl-C does: KeyboardInterrupt in the main thread
             signal.release.set()  # let the producer go on: only the stop request ends it now
 
     with busy_loader(busy_dataset, signal) as loader:
         iterator = iter(loader)
-        threading.Thread(target=interrupt_once_busy, name="ctrl-c").start()
         with pytest.raises(KeyboardInterrupt):
+            threading.Thread(target=interrupt_once_busy, name="ctrl-c").start()
             while True:  # the first batch waits on the held chunk: next() blocks
                 next(iterator)
         start, at_stop = time.monotonic(), signal.seen
