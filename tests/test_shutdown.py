@@ -135,6 +135,7 @@ def test_garbage_collecting_the_loader_mid_chunk_stops_the_producer(busy_dataset
 
 def test_ctrl_c_while_the_consumer_waits_for_a_batch_stops_the_producer(busy_dataset):
     import _thread
+    import signal as signals
 
     signal = ChunkSignal(at=0, hold=True)  # no batch exists yet: the consumer waits in next()
 
@@ -147,12 +148,18 @@ def test_ctrl_c_while_the_consumer_waits_for_a_batch_stops_the_producer(busy_dat
             _thread.interrupt_main()  # what Ctrl-C does: KeyboardInterrupt in the main thread
             signal.release.set()  # let the producer go on: only the stop request ends it now
 
-    with busy_loader(busy_dataset, signal) as loader:
-        iterator = iter(loader)
-        with pytest.raises(KeyboardInterrupt):
-            threading.Thread(target=interrupt_once_busy, name="ctrl-c").start()
-            while True:  # the first batch waits on the held chunk: next() blocks
-                next(iterator)
-        start, at_stop = time.monotonic(), signal.seen
+    # Python's own Ctrl-C handler, whatever this process inherited: a shell that starts it in
+    # the background (`cmd &` in a script) ignores SIGINT, and interrupt_main() then does nothing.
+    inherited = signals.signal(signals.SIGINT, signals.default_int_handler)
+    try:
+        with busy_loader(busy_dataset, signal) as loader:
+            iterator = iter(loader)
+            with pytest.raises(KeyboardInterrupt):
+                threading.Thread(target=interrupt_once_busy, name="ctrl-c").start()
+                while True:  # the first batch waits on the held chunk: next() blocks
+                    next(iterator)
+            start, at_stop = time.monotonic(), signal.seen
+    finally:
+        signals.signal(signals.SIGINT, inherited)
     elapsed = time.monotonic() - start
     assert_stopped(signal, at_stop, elapsed)
