@@ -130,3 +130,26 @@ def test_delete_old_versions_removes_the_previous_version_and_its_files(atlas):
     with pytest.raises(DatasetError, match="version"):
         open_dataset(atlas, version=before.versions["expression"])
     assert_same(want, batches(atlas, ChunkShuffle(chunk_cells=64)))
+
+
+def test_an_interrupted_optimize_leaves_the_table_as_it_was(atlas, monkeypatch):
+    import slafload.tools.optimize as opt
+
+    version = open_dataset(atlas).versions["expression"]
+    want = batches(atlas, ChunkShuffle(chunk_cells=64))
+    counted = opt._counted
+
+    def interrupted(batches, total, progress):
+        for i, batch in enumerate(counted(batches, total, progress)):
+            if i == 3:
+                raise KeyboardInterrupt  # Ctrl-C mid-rewrite
+            yield batch
+
+    monkeypatch.setattr(opt, "_BATCH_ROWS", 500)
+    monkeypatch.setattr(opt, "_counted", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # itself, not the OSError Lance wraps it in
+        optimize(atlas, progress=False)
+    assert open_dataset(atlas).versions["expression"] == version  # nothing was committed
+    assert_same(want, batches(atlas, ChunkShuffle(chunk_cells=64)))
+    monkeypatch.setattr(opt, "_counted", counted)
+    assert optimize(atlas, progress=False).versions == (version, version + 1)

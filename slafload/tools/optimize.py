@@ -20,6 +20,11 @@ loader keeps open (a quarter of the descriptor limit, at most 8,192), where a bl
 evicted file pays for reopening it. It also helps the start of every run, when each file is
 opened for the first time. Once every file is open, the file count makes no difference.
 
+An interrupted or failed rewrite commits nothing: Lance writes the new version's manifest only
+after the last row, so the table stays at its version (data files already written may stay on
+disk, unreferenced, until ``cleanup_old_versions(delete_unverified=True)``). Ctrl-C and read
+errors surface as themselves, not as the ``OSError`` Lance wraps them in.
+
 The previous version stays readable (a run resumed from a checkpoint taken before keeps
 reading it, and the disk holds both) until ``delete_old_versions`` (``--delete-old-versions``)
 or Lance's ``LanceDataset.cleanup_old_versions`` removes it.
@@ -112,12 +117,19 @@ def optimize(
                               time.perf_counter() - started)  # fmt: skip
     kwargs: dict[str, Any] = {"max_rows_per_file": rows_per_file} if rows_per_file else {}
     scan = table.scanner(batch_size=_BATCH_ROWS, scan_in_order=True)
+    failure: list[BaseException] = []
     rows = pa.RecordBatchReader.from_batches(
-        table.schema, _counted(scan.to_batches(), ds.n_rows, progress)
+        table.schema, _kept(failure, _counted(scan.to_batches(), ds.n_rows, progress))
     )
-    lance.write_dataset(rows, table.uri, schema=table.schema, mode="overwrite",
-                        data_storage_version=storage_version,
-                        storage_options=dict(ds.storage_options or {}) or None, **kwargs)  # fmt: skip
+    try:  # Lance commits the new version only once every row is written
+        lance.write_dataset(rows, table.uri, schema=table.schema, mode="overwrite",
+                            data_storage_version=storage_version,
+                            storage_options=dict(ds.storage_options or {}) or None,
+                            **kwargs)  # fmt: skip
+    except OSError:
+        if failure:  # Lance reports a failure (or Ctrl-C) while reading as a bare OSError
+            raise failure[0] from None
+        raise
     new = open_dataset(ds.uri, storage_options=storage_options)  # validates the result
     if new.n_rows != ds.n_rows:  # open_dataset checks this against cells; say it plainly too
         raise RuntimeError(f"rewrote {new.n_rows:,} rows of {ds.n_rows:,}; restore version "
@@ -155,6 +167,17 @@ def _summary(table: lance.LanceDataset) -> tuple[str, int, int]:
         for f in files
     ]
     return storage, len(files), sum(s or 0 for s in sizes)
+
+
+def _kept(
+    failure: list[BaseException], batches: Iterator[pa.RecordBatch]
+) -> Iterator[pa.RecordBatch]:
+    """``batches``, recording in ``failure`` what they raise before it reaches Lance."""
+    try:
+        yield from batches
+    except BaseException as exc:
+        failure.append(exc)
+        raise
 
 
 def _counted(
