@@ -153,3 +153,26 @@ def test_an_interrupted_optimize_leaves_the_table_as_it_was(atlas, monkeypatch):
     assert_same(want, batches(atlas, ChunkShuffle(chunk_cells=64)))
     monkeypatch.setattr(opt, "_counted", counted)
     assert optimize(atlas, progress=False).versions == (version, version + 1)
+
+
+def test_a_writer_committing_during_the_rewrite_is_reported_with_the_version_to_restore(
+    atlas, monkeypatch
+):
+    import lance
+
+    import slafload.tools.optimize as opt
+
+    table = atlas / "expression.lance"
+    version = open_dataset(atlas).versions["expression"]
+    counted = opt._counted
+
+    def with_a_concurrent_append(batches, total, progress):
+        for i, batch in enumerate(counted(batches, total, progress)):
+            if i == 1:  # another process appends rows while the rewrite is under way
+                lance.write_dataset(batch.slice(0, 3), str(table), mode="append")
+            yield batch
+
+    monkeypatch.setattr(opt, "_BATCH_ROWS", 500)
+    monkeypatch.setattr(opt, "_counted", with_a_concurrent_append)
+    with pytest.raises(RuntimeError, match=f"restore version {version + 1} with"):
+        optimize(atlas, progress=False)

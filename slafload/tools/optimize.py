@@ -20,7 +20,9 @@ loader keeps open (a quarter of the descriptor limit, at most 8,192), where a bl
 evicted file pays for reopening it. It also helps the start of every run, when each file is
 opened for the first time. Once every file is open, the file count makes no difference.
 
-An interrupted or failed rewrite commits nothing: Lance writes the new version's manifest only
+Run it with no other writer on the dataset: the rewrite replaces the table wholesale, so a
+version another writer commits meanwhile is not in it (that is detected, and reported with the
+version to restore). An interrupted or failed rewrite commits nothing: Lance writes the new version's manifest only
 after the last row, so the table stays at its version (data files already written may stay on
 disk, unreferenced, until ``cleanup_old_versions(delete_unverified=True)``). Ctrl-C and read
 errors surface as themselves, not as the ``OSError`` Lance wraps them in.
@@ -116,6 +118,7 @@ def optimize(
                               (before[0],) * 2, (before[1],) * 2, (before[2],) * 2,
                               time.perf_counter() - started)  # fmt: skip
     kwargs: dict[str, Any] = {"max_rows_per_file": rows_per_file} if rows_per_file else {}
+    options = dict(ds.storage_options or {}) or None
     scan = table.scanner(batch_size=_BATCH_ROWS, scan_in_order=True)
     failure: list[BaseException] = []
     rows = pa.RecordBatchReader.from_batches(
@@ -124,12 +127,19 @@ def optimize(
     try:  # Lance commits the new version only once every row is written
         lance.write_dataset(rows, table.uri, schema=table.schema, mode="overwrite",
                             data_storage_version=storage_version,
-                            storage_options=dict(ds.storage_options or {}) or None,
-                            **kwargs)  # fmt: skip
+                            storage_options=options, **kwargs)  # fmt: skip
     except OSError:
         if failure:  # Lance reports a failure (or Ctrl-C) while reading as a bare OSError
             raise failure[0] from None
         raise
+    committed = lance.dataset(table.uri, storage_options=options).version
+    if committed != table.version + 1:  # Overwrite replaced what another writer committed
+        raise RuntimeError(
+            f"another writer committed to {table.uri} while optimize rewrote version "
+            f"{table.version} (now at {committed}); its changes are not in the rewrite: "
+            f"restore version {committed - 1} with LanceDataset.restore() and run optimize "
+            "again with no other writer"
+        )
     new = open_dataset(ds.uri, storage_options=storage_options)  # validates the result
     if new.n_rows != ds.n_rows:  # open_dataset checks this against cells; say it plainly too
         raise RuntimeError(f"rewrote {new.n_rows:,} rows of {ds.n_rows:,}; restore version "
