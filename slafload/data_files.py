@@ -288,7 +288,11 @@ class DataFiles:
         """A started ``read_range`` of ``rows`` rows from ``start`` in data file ``index``."""
         entry = self._entry(index, cols)
         with entry.lock:
-            return self._opened(entry, index, cols).read_range(start, rows, batch_size=rows)
+            # One batch per range, so nothing to read ahead: pylance's default of 16 cost
+            # ~5% more CPU per range (benchmarks/results/scale_ab_batch_readahead.json).
+            return self._opened(entry, index, cols).read_range(
+                start, rows, batch_size=rows, batch_readahead=1
+            )
 
     def _entry(self, index: int, cols: tuple[str, ...]) -> _Open:
         key = (index, cols)
