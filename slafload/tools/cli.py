@@ -93,8 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Rewrite expression.lance, same rows in the same order, in Lance's 2.0 file "
         "format (and optionally into larger data files) as a new Lance version. Random block "
         "reads (BlockShuffle) cost about half the CPU; the table takes ~2.9x the disk. Tokens "
-        "are unchanged; the previous version stays readable until Lance's "
-        "cleanup_old_versions removes it. See docs/sampling.md.",
+        "are unchanged; the previous version stays readable (checkpoints taken before still "
+        "resume) until --delete-old-versions removes it. Run it with no other writer on the "
+        "dataset. See docs/sampling.md.",
     )
     o.add_argument("path", metavar="DATASET", help="SLAF dataset directory or URI")
     o.add_argument(
