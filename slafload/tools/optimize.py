@@ -22,10 +22,9 @@ opened for the first time. Once every file is open, the file count makes no diff
 
 Run it with no other writer on the dataset: the rewrite replaces the table wholesale, so a
 version another writer commits meanwhile is not in it (that is detected, and reported with the
-version to restore). An interrupted or failed rewrite commits nothing: Lance writes the new version's manifest only
-after the last row, so the table stays at its version (data files already written may stay on
-disk, unreferenced, until ``cleanup_old_versions(delete_unverified=True)``). Ctrl-C and read
-errors surface as themselves, not as the ``OSError`` Lance wraps them in.
+version to restore). An interrupted or failed rewrite commits nothing (data files already
+written may stay on disk, unreferenced, until ``cleanup_old_versions(delete_unverified=True)``),
+and Ctrl-C or a read error surfaces as itself (:func:`~slafload.tools.writer.write_batches`).
 
 The previous version stays readable (a run resumed from a checkpoint taken before keeps
 reading it, and the disk holds both) until ``delete_old_versions`` (``--delete-old-versions``)
@@ -47,6 +46,7 @@ import pyarrow as pa
 
 from slafload.dataset import open_dataset
 from slafload.tools.progress import progress_bar
+from slafload.tools.writer import write_batches
 
 __all__ = ["OptimizeReport", "file_format", "optimize"]
 
@@ -120,18 +120,9 @@ def optimize(
     kwargs: dict[str, Any] = {"max_rows_per_file": rows_per_file} if rows_per_file else {}
     options = dict(ds.storage_options or {}) or None
     scan = table.scanner(batch_size=_BATCH_ROWS, scan_in_order=True)
-    failure: list[BaseException] = []
-    rows = pa.RecordBatchReader.from_batches(
-        table.schema, _kept(failure, _counted(scan.to_batches(), ds.n_rows, progress))
-    )
-    try:  # Lance commits the new version only once every row is written
-        lance.write_dataset(rows, table.uri, schema=table.schema, mode="overwrite",
-                            data_storage_version=storage_version,
-                            storage_options=options, **kwargs)  # fmt: skip
-    except OSError:
-        if failure:  # Lance reports a failure (or Ctrl-C) while reading as a bare OSError
-            raise failure[0] from None
-        raise
+    write_batches(_counted(scan.to_batches(), ds.n_rows, progress), table.uri, table.schema,
+                  mode="overwrite", data_storage_version=storage_version,
+                  storage_options=options, **kwargs)  # fmt: skip
     committed = lance.dataset(table.uri, storage_options=options).version
     if committed != table.version + 1:  # Overwrite replaced what another writer committed
         raise RuntimeError(
@@ -140,10 +131,7 @@ def optimize(
             f"restore version {committed - 1} with LanceDataset.restore() and run optimize "
             "again with no other writer"
         )
-    new = open_dataset(ds.uri, storage_options=storage_options)  # validates the result
-    if new.n_rows != ds.n_rows:  # open_dataset checks this against cells; say it plainly too
-        raise RuntimeError(f"rewrote {new.n_rows:,} rows of {ds.n_rows:,}; restore version "
-                           f"{table.version} with LanceDataset.restore()")  # fmt: skip
+    new = open_dataset(ds.uri, storage_options=storage_options)  # validates the rewrite
     after = _summary(new.expression)
     freed = 0
     if delete_old_versions:
@@ -160,14 +148,17 @@ def file_format(table: lance.LanceDataset) -> str:
 
     Several, comma-separated, in a table that mixes them.
     """
-    files = [f for fragment in table.get_fragments() for f in fragment.metadata.files]
-    found = {(f.file_major_version, f.file_minor_version) for f in files}
+    found = {(f.file_major_version, f.file_minor_version) for f in _data_files(table)}
     return ", ".join(f"{major}.{minor}" for major, minor in sorted(found)) or "none"
+
+
+def _data_files(table: lance.LanceDataset) -> list[Any]:
+    return [f for fragment in table.get_fragments() for f in fragment.metadata.files]
 
 
 def _summary(table: lance.LanceDataset) -> tuple[str, int, int]:
     """``(file format, data files, data bytes)`` of a pinned table version."""
-    files = [f for fragment in table.get_fragments() for f in fragment.metadata.files]
+    files = _data_files(table)
     storage = file_format(table)
     data = table.uri.rstrip("/") + "/data/"
     sizes = [
@@ -177,17 +168,6 @@ def _summary(table: lance.LanceDataset) -> tuple[str, int, int]:
         for f in files
     ]
     return storage, len(files), sum(s or 0 for s in sizes)
-
-
-def _kept(
-    failure: list[BaseException], batches: Iterator[pa.RecordBatch]
-) -> Iterator[pa.RecordBatch]:
-    """``batches``, recording in ``failure`` what they raise before it reaches Lance."""
-    try:
-        yield from batches
-    except BaseException as exc:
-        failure.append(exc)
-        raise
 
 
 def _counted(

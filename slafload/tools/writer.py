@@ -110,41 +110,30 @@ def _write(
     lengths: list[np.ndarray] = []
     block_obs: dict[str, list[np.ndarray]] = {}
     stats = _Stats()
-    failure: list[BaseException] = []
 
     def batches() -> Iterator[pa.RecordBatch]:
         first_cell = 0
-        try:
-            for block in blocks:
-                counts: np.ndarray = np.diff(np.asarray(block.indptr, dtype=np.int64))
-                lengths.append(counts)
-                for name, column in (block.obs or {}).items():
-                    block_obs.setdefault(name, []).append(np.asarray(column))
-                ids = np.arange(first_cell, first_cell + len(counts), dtype=np.uint32)
-                first_cell += len(counts)
-                values = np.asarray(block.values)
-                stats.add(values)
-                yield pa.RecordBatch.from_arrays(
-                    [
-                        pa.array(np.repeat(ids, counts)),
-                        pa.array(np.asarray(block.genes)).cast(gene_type),
-                        pa.array(values).cast(value_type),
-                    ],
-                    schema=schema,
-                )
-        except BaseException as exc:  # Lance reports it as a bare OSError; keep the original
-            failure.append(exc)
-            raise
+        for block in blocks:
+            counts: np.ndarray = np.diff(np.asarray(block.indptr, dtype=np.int64))
+            lengths.append(counts)
+            for name, column in (block.obs or {}).items():
+                block_obs.setdefault(name, []).append(np.asarray(column))
+            ids = np.arange(first_cell, first_cell + len(counts), dtype=np.uint32)
+            first_cell += len(counts)
+            values = np.asarray(block.values)
+            stats.add(values)
+            yield pa.RecordBatch.from_arrays(
+                [
+                    pa.array(np.repeat(ids, counts)),
+                    pa.array(np.asarray(block.genes)).cast(gene_type),
+                    pa.array(values).cast(value_type),
+                ],
+                schema=schema,
+            )
 
-    reader = pa.RecordBatchReader.from_batches(schema, batches())
     kwargs: dict[str, Any] = {"max_rows_per_file": max_rows_per_file} if max_rows_per_file else {}
-    try:
-        lance.write_dataset(reader, str(path / "expression.lance"), schema=schema,
-                            data_storage_version=STORAGE_VERSION, **kwargs)  # fmt: skip
-    except OSError:
-        if failure:
-            raise failure[0] from None
-        raise
+    write_batches(batches(), str(path / "expression.lance"), schema,
+                  data_storage_version=STORAGE_VERSION, **kwargs)  # fmt: skip
 
     counts = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
     n_cells, n_rows = len(counts), int(counts.sum())
@@ -188,6 +177,33 @@ def _write(
     }
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
+
+
+def write_batches(
+    batches: Iterator[pa.RecordBatch], uri: str, schema: pa.Schema, **options: Any
+) -> None:
+    """``lance.write_dataset`` of a stream of record batches (``options`` are its keywords).
+
+    What the stream raises (a bad block, Ctrl-C) is raised as itself: Lance reports it as a
+    bare ``OSError``. Lance commits the new version only after the last batch, so a stream
+    that fails commits nothing.
+    """
+    failure: list[BaseException] = []
+
+    def kept() -> Iterator[pa.RecordBatch]:
+        try:
+            yield from batches
+        except BaseException as exc:
+            failure.append(exc)
+            raise
+
+    reader = pa.RecordBatchReader.from_batches(schema, kept())
+    try:
+        lance.write_dataset(reader, uri, schema=schema, **options)
+    except OSError:
+        if failure:
+            raise failure[0] from None
+        raise
 
 
 class _Stats:
