@@ -4,6 +4,8 @@ hand them over as torch tensors.
 Pieces rarely hold a multiple of ``batch_size`` cells, so the rows left over at the end of a
 piece are carried into the first batch of the next one; only the last batch of an epoch can
 be short (or dropped with ``drop_last``). Full batches inside a piece are zero-copy views.
+One chain may carry several epochs back to back (:mod:`slafload.epochs`); it then tells this
+stage how many rows each epoch has, and no batch spans two epochs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 
 from slafload._validate import check_int
+from slafload.errors import LoaderError
 from slafload.stage import Stage
 from slafload.types import Batch
 
@@ -80,13 +83,30 @@ def _slice(arrays: Arrays, start: int, stop: int) -> dict[str, np.ndarray]:
 
 
 class Batches(Stage[dict[str, np.ndarray]]):
-    """Fixed-size batches of the rows of every piece; the short last one at the end."""
+    """Fixed-size batches of the rows of every piece; the short last one at each epoch's end.
 
-    def __init__(self, source: Iterator[Arrays], batch_size: int, *, drop_last: bool = False):
+    Args:
+        source: Row-aligned arrays, piece by piece.
+        batch_size: Rows per batch.
+        drop_last: Drop each epoch's short last batch.
+        epochs: Rows of each epoch the stream carries, in order, pulled as each epoch's
+            first rows arrive; an epoch ends (its short batch goes out) as soon as its last
+            row is in. ``None``: the whole stream is one epoch.
+    """
+
+    def __init__(
+        self,
+        source: Iterator[Arrays],
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        epochs: Iterator[int] | None = None,
+    ):
         super().__init__(source)
         self._batcher = Batcher(batch_size, drop_last=drop_last)
         self._ready: Iterator[dict[str, np.ndarray]] = iter(())
         self._finished = False
+        self._epochs, self._left = epochs, 0
 
     def __next__(self) -> dict[str, np.ndarray]:
         while True:
@@ -101,7 +121,30 @@ class Batches(Stage[dict[str, np.ndarray]]):
                 self._finished = True
                 self._ready = self._batcher.finish()
                 continue
-            self._ready = self._batcher.add(arrays)
+            self._ready = self._cut(arrays) if self._epochs else self._batcher.add(arrays)
+
+    def _cut(self, arrays: Arrays) -> Iterator[dict[str, np.ndarray]]:
+        """The batches ``arrays`` completes, and the end of its epoch if it is the last piece.
+
+        A piece never spans two epochs (it is part of one fetch of one epoch), so a piece
+        that runs past its epoch's rows means cells were lost or duplicated upstream.
+        """
+        assert self._epochs is not None
+        n = _rows(arrays)
+        while not self._left:
+            left = next(self._epochs, None)
+            if left is None:
+                raise LoaderError(f"{n} rows arrived after the last planned epoch")
+            self._left = left
+        if n > self._left:
+            raise LoaderError(
+                f"a piece of {n} rows arrived with {self._left} rows left in its epoch: "
+                "the stages lost or duplicated cells"
+            )
+        yield from self._batcher.add(arrays)
+        self._left -= n
+        if not self._left:
+            yield from self._batcher.finish()
 
 
 class ToTorch(Stage[Batch]):

@@ -7,7 +7,8 @@
 
 :class:`~slafload.Loader` (on its prefetch thread), the ``IterableDataset`` face and the
 benchmark's stage profile all run this same function; epochs and positions are the business
-of :mod:`slafload.epochs`, which builds one chain per epoch of a rank.
+of :mod:`slafload.epochs`, which runs a rank's epochs through one chain (or, when a tokenizer
+or transform depends on the epoch, one chain per epoch).
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ def build_chain(
     *,
     sleep: Callable[[float], object] = time.sleep,
     observe: Observe = _as_is,
+    epochs: Iterator[int] | None = None,
 ) -> Stage[Batch]:
-    """The stages that turn ``parts`` (a rank's share of an epoch) into torch batches.
+    """The stages that turn ``parts`` (a rank's share of one or more epochs) into torch batches.
 
     Args:
         spec: Dataset, tokenizer, settings.
@@ -107,6 +109,8 @@ def build_chain(
         sleep: Waits between read retries; the prefetcher passes one that a stop request
             interrupts.
         observe: Called with each stage's name as it is built; returns the stage to use.
+        epochs: When ``parts`` runs through several epochs back to back, the cells each
+            epoch delivers, in order (no batch spans two epochs); ``None``: one epoch.
     """
     cfg, ds = spec.config, spec.dataset
     lance_reader = ds.reader(
@@ -131,6 +135,6 @@ def build_chain(
     s = observe("split", Split(s, cfg.piece_cells))
     s = observe("rank", RankGenes(s, start=spec.tokens.start, lookahead=1))
     s = observe("tokenize", Tokenize(s, spec.tokens, spec.obs))
-    s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last))
+    s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last, epochs=epochs))
     s = observe("layout", LayOut(s, spec.tokens))
     return observe("to_torch", ToTorch(s, pin_memory=spec.pin_memory))

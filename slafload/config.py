@@ -105,7 +105,8 @@ class LoaderConfig:
             (``slafload/budget.py``). Read-ahead starts another fetch only while it fits; a
             fetch costing over half of it is read in groups of consecutive ranges. The order
             of cells does not depend on it.
-        first_read_cells: The first fetch of a run (an epoch, or a resume) is read as its
+        first_read_cells: The first fetch of a chain (a run's start, a resume, each epoch
+            of an epoch-aware chain or of the ``DataLoader`` face) is read as its
             first ``max(first_read_cells, batch_size)`` output cells, then the rest, so the
             first batch does not wait for a whole large fetch; the order of cells is unchanged
             (``slafload/first_read.py``). ``0`` reads one batch first.

@@ -16,10 +16,10 @@ written by :func:`make_state` and read by :func:`read_state` for both
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 from slafload.chain import ChainSpec, build_chain
 from slafload.dataset import SlafDataset, open_dataset
-from slafload.errors import StateError
-from slafload.partition import RankShare, Segment, rank_share
+from slafload.errors import LoaderError, StateError
+from slafload.partition import Part, RankShare, Segment, rank_share
 from slafload.types import Batch, Sampler
 
 if TYPE_CHECKING:
@@ -107,14 +107,11 @@ class Run:
 
         With ``n_workers > 1`` (DataLoader workers) this worker takes every ``n_workers``-th
         part of the rank's share; ``skip`` and the positions then count this worker's cells.
+        Every batch, the last one included, carries its position inside ``epoch``.
         """
-        parts = self.share(epoch, history).parts(skip, worker, n_workers)
-        done = skip
-        spec = self.spec.for_epoch(epoch)
-        with closing(build_chain(spec, parts, sleep=sleep)) as chain:
-            for batch in chain:
-                done += len(batch["cell_integer_id"])
-                yield Delivery(batch, Position(epoch, done, history))
+        span = _Span(self, Position(epoch, skip, history), epoch + 1, worker, n_workers)
+        for batch, leg, done in self._deliver(span, sleep):
+            yield Delivery(batch, Position(leg.epoch, leg.skip + done, leg.history))
 
     def run(
         self, start: Position, *, sleep: Callable[[float], object] = time.sleep
@@ -123,22 +120,100 @@ class Run:
 
         A run resumed in epoch ``e`` delivers the rest of ``e`` and the epochs after it, so
         the batches before and after a checkpoint add up to the uninterrupted run; a complete
-        run delivers nothing.
+        run delivers nothing. The last batch of an epoch carries ``Position(epoch + 1)``.
+
+        Epochs follow each other through one chain of stages whenever nothing in the chain
+        depends on the epoch (no epoch-aware tokenizer or transform, see
+        :meth:`ChainSpec.for_epoch`): the next epoch's reads start while this one's last
+        cells are still being tokenized, so an epoch boundary costs no pipeline refill. An
+        epoch-aware chain is rebuilt for every epoch.
         """
-        n = self.n_epochs
-        epochs = itertools.count(start.epoch) if n is None else range(start.epoch, n)
         position = start
-        for epoch in epochs:
-            last = None
-            deliveries = self.epoch(epoch, position.history, position.cells, sleep=sleep)
-            with closing(deliveries):
-                for delivery in deliveries:
-                    if last is not None:
-                        yield last
-                    last = delivery
-            if last is not None:  # one batch of lookahead marks the end of the epoch
-                yield Delivery(last.batch, Position(epoch + 1))
-            position = Position(epoch + 1)
+        while not self.complete(position):
+            span = _Span(self, position, self.n_epochs)
+            for batch, leg, done in self._deliver(span, sleep):
+                if done == leg.cells:
+                    yield Delivery(batch, Position(leg.epoch + 1))
+                else:
+                    yield Delivery(batch, Position(leg.epoch, leg.skip + done, leg.history))
+            assert span.end is not None and span.end > position.epoch
+            position = Position(span.end)
+
+    def _deliver(
+        self, span: _Span, sleep: Callable[[float], object]
+    ) -> Iterator[tuple[Batch, _Leg, int]]:
+        """Every batch of ``span``'s chain, with its epoch's leg and the leg's cells so far."""
+        spec = self.spec.for_epoch(span.start.epoch)
+        chain = build_chain(spec, span.parts(), sleep=sleep, epochs=span.epoch_cells())
+        leg, done = _Leg(span.start.epoch, (), 0, 0), 0
+        with closing(chain):
+            for batch in chain:
+                while done == leg.cells:  # the next epoch that delivers anything
+                    leg, done = span.next_leg(), 0
+                done += len(batch["cell_integer_id"])
+                yield batch, leg, done
+        left = (leg.cells - done) + sum(later.cells for later in span.legs)
+        if left:
+            raise LoaderError(
+                f"epoch {leg.epoch} ended {left} cells short of its plan; the stages lost cells"
+            )
+
+
+@dataclass(frozen=True)
+class _Leg:
+    """One epoch of a span: where it starts, and the cells this consumer gets in it."""
+
+    epoch: int
+    history: tuple[Segment, ...]
+    skip: int
+    cells: int
+
+
+class _Span:
+    """Consecutive epochs served by one chain, planned lazily and in order.
+
+    The chain's read stage pulls :meth:`parts`, which plans each epoch as it comes to it and
+    queues the epoch for the batch stage (:meth:`epoch_cells`: the rows it ends after) and
+    for positions (:meth:`next_leg`). Everything runs on the producer thread. The span stops
+    before ``stop`` (``None``: never) and before any later epoch whose chain would differ
+    (an epoch-aware tokenizer or transform); :attr:`end` is then the first epoch not served.
+    """
+
+    def __init__(
+        self, run: Run, start: Position, stop: int | None, worker: int = 0, n_workers: int = 1
+    ):
+        self.run, self.start, self.stop = run, start, stop
+        self.worker, self.n_workers = worker, n_workers
+        self.rows: deque[int] = deque()
+        self.legs: deque[_Leg] = deque()
+        self.end: int | None = None
+
+    def parts(self) -> Iterator[Part]:
+        """The parts of every epoch of the span, in order."""
+        run, cfg = self.run, self.run.spec.config
+        epoch, history, skip = self.start.epoch, self.start.history, self.start.cells
+        while self.stop is None or epoch < self.stop:
+            if epoch > self.start.epoch and run.spec.for_epoch(epoch) is not run.spec:
+                break
+            share = run.share(epoch, history)
+            rows = share.cells(skip, self.worker, self.n_workers)
+            kept = rows - rows % cfg.batch_size if cfg.drop_last else rows
+            self.rows.append(rows)
+            self.legs.append(_Leg(epoch, history, skip, kept))
+            yield from share.parts(skip, self.worker, self.n_workers)
+            epoch, history, skip = epoch + 1, (), 0
+        self.end = epoch
+
+    def epoch_cells(self) -> Iterator[int]:
+        """Rows of each planned epoch, for the batch stage."""
+        while self.rows:
+            yield self.rows.popleft()
+
+    def next_leg(self) -> _Leg:
+        """The next planned epoch (its parts have been pulled, so it is planned)."""
+        if not self.legs:
+            raise LoaderError("a batch arrived after the last planned epoch")
+        return self.legs.popleft()
 
 
 # -- the resume state ----------------------------------------------------------------------

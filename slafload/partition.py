@@ -127,13 +127,22 @@ class RankShare:
         With ``n_workers > 1`` worker ``worker`` takes every ``n_workers``-th non-empty part,
         and ``skip`` counts the cells *this worker* has delivered: positions are per worker.
         """
+        mine, drop, keep = self._mine(skip, worker, n_workers)
+        for j, d, k in zip(mine.tolist(), drop.tolist(), keep.tolist(), strict=True):
+            if d < k:
+                yield Part(self.part(j, self.rank), d, k)
+
+    def cells(self, skip: int = 0, worker: int = 0, n_workers: int = 1) -> int:
+        """Cells that :meth:`parts` with the same arguments delivers."""
+        _, drop, keep = self._mine(skip, worker, n_workers)
+        return int((keep - drop).sum())
+
+    def _mine(self, skip: int, worker: int, n_workers: int) -> tuple[np.ndarray, ...]:
+        """This worker's fetch indices, and the cells to drop and keep of each part."""
         keep = np.clip(self.quota - self.prefix[:, self.rank], 0, self.sizes[:, self.rank])
         mine = np.flatnonzero(keep)[worker::n_workers]
         before = np.cumsum(keep[mine]) - keep[mine]  # this worker's cells before each part
-        drop = np.clip(skip - before, 0, keep[mine])
-        for j, d in zip(mine.tolist(), drop.tolist(), strict=True):
-            if d < keep[j]:
-                yield Part(self.part(j, self.rank), d, int(keep[j]))
+        return mine, np.clip(skip - before, 0, keep[mine]), keep[mine]
 
     def consumed(self, cells: int) -> list[tuple[int, np.ndarray]]:
         """Fetches partly consumed when every rank has taken ``cells`` cells, with those cells.

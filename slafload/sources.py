@@ -152,7 +152,9 @@ class PerSource:
         return chunk
 
     def for_epoch(self, epoch: int) -> PerSource:
-        """Epoch-aware transforms of every source bound to ``epoch``."""
+        """Epoch-aware transforms of every source bound to ``epoch`` (itself if none is)."""
+        if not any(hasattr(t, "for_epoch") for ts in self.transforms for t in ts):
+            return self
         bound = tuple(
             tuple(t.for_epoch(epoch) if hasattr(t, "for_epoch") else t for t in ts)
             for ts in self.transforms
