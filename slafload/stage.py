@@ -4,7 +4,7 @@ Stages compose by wrapping (torchdata ``nodes`` style, without generators): each
 stage before it, pulls an item at a time in ``__next__`` and ``close()``-s its source when it
 is closed, so clean-up (pending Lance reads, Polars queries in flight) runs from the last
 stage back to the first. Stages know nothing of epochs, positions or threads: the chain is
-built per epoch (:mod:`slafload.chain`) and cancellation is checked between items by the
+built per run of epochs (:mod:`slafload.epochs`) and cancellation is checked between items by the
 prefetcher.
 """
 
