@@ -10,8 +10,9 @@ read depends on their shape (numbers from ``benchmarks/read_paths.py`` and docs/
 - one range (streaming, chunk shuffle): one Lance scan with ``offset``/``limit``;
 - many ranges (block sampling): ranges whose gaps are short are coalesced into spans (scanning
   a gap row costs a few ns, a separate range request ~0.2-0.5 ms), unless the spans would hold
-  more than 32 times the wanted rows (sparse single cells are cheaper by row id); spans of 64Ki
-  rows or more are scanned, all shorter spans are read through kept-open Lance file readers
+  more than 32 times the wanted rows (sparse single cells are cheaper by row id); spans of 1Mi
+  rows or more (64Ki without kept-open readers, or on object stores) are scanned, all shorter
+  spans are read through kept-open Lance file readers
   (:mod:`slafload.data_files`, where that is exact; else with one ``take_scan`` call, whose
   per-range cost grows with the number of data files) or, when they are tiny (single cells
   of a few hundred rows), one ``take`` of their row ids; the wanted rows are zero-copy slices
@@ -36,7 +37,7 @@ import pyarrow as pa
 
 from slafload._compat import take_scan
 from slafload._validate import check_int
-from slafload.data_files import DataFiles
+from slafload.data_files import DataFiles, is_remote
 from slafload.dataset import SlafDataset
 from slafload.errors import ReadError, SlafloadError
 from slafload.ranges import coalesce, describe, expand_ranges, span_ends
@@ -51,6 +52,7 @@ MAX_GAP_ROWS = 1 << 17  # gaps up to this many rows are scanned through rather t
 MAX_READ_AMPLIFICATION = 32  # ...unless that reads more than this many times the wanted rows
 TAKE_BELOW_ROWS = 512  # spans shorter than this on average are read by row id
 SCAN_FROM_ROWS = 1 << 16  # spans this long are scanned (take_scan is slower per row)
+DIRECT_SCAN_FROM_ROWS = 1 << 20  # ...or this long, when open file readers read local files
 
 
 class Reader:
@@ -139,13 +141,25 @@ class Reader:
             first, last = span_ends(np.arange(len(rows)))  # sparse: skip the gaps instead
         spans = np.stack([rows[first, 0], rows[last, 1]], axis=1)
         ranges = [rows[a : b + 1] for a, b in zip(first.tolist(), last.tolist(), strict=True)]
-        long = spans[:, 1] - spans[:, 0] >= SCAN_FROM_ROWS
+        long = spans[:, 1] - spans[:, 0] >= self._scan_from()
         # A scanner per long span and one Lance call for all short ones, all started before the
         # first batch is handed on; then the wanted rows of each span, in span order.
         scans = {i: started(self._scan(*spans[i].tolist())) for i in np.flatnonzero(long).tolist()}
         shorts = self._read_short(spans, ranges, np.flatnonzero(~long))
         for i, span in enumerate(ranges):
             yield from _cut(scans.pop(i), span, int(spans[i, 0])) if long[i] else next(shorts)
+
+    def _scan_from(self) -> int:
+        """Rows from which a span gets a scanner of its own.
+
+        Kept-open file readers on local storage read a span of up to a data file's worth
+        faster than a scanner, whose creation runs on the producer: on the 5M-cell atlas,
+        ``BlockShuffle(1, 256)`` fetches hold ~840 spans of 64Ki-1Mi rows (docs/sampling.md).
+        ``take_scan`` (no direct path) and object stores keep :data:`SCAN_FROM_ROWS`.
+        """
+        if self.data_files() is not None and not is_remote(self.dataset.uri):
+            return DIRECT_SCAN_FROM_ROWS
+        return SCAN_FROM_ROWS
 
     def _read_short(
         self, spans: np.ndarray, ranges: list[np.ndarray], which: np.ndarray

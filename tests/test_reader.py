@@ -56,10 +56,26 @@ def test_every_read_path_yields_exactly_the_fetch_rows_in_range_order(
     monkeypatch.setattr(slafload.reader, "MAX_GAP_ROWS", max_gap)
     monkeypatch.setattr(slafload.reader, "TAKE_BELOW_ROWS", take_below)
     monkeypatch.setattr(slafload.reader, "SCAN_FROM_ROWS", scan_from)
+    monkeypatch.setattr(slafload.reader, "DIRECT_SCAN_FROM_ROWS", scan_from)
     fetch = Fetch(0, np.array(ranges, dtype=np.int64))
     np.testing.assert_array_equal(
         read_cells(Reader(dataset), fetch), expected_cells(dataset, fetch)
     )
+
+
+@pytest.mark.parametrize(("direct", "scanners"), [(True, 0), (False, 1)])
+def test_long_spans_go_through_the_open_file_readers_on_local_files(
+    dataset, monkeypatch, direct, scanners
+):
+    monkeypatch.setattr(slafload.reader, "SCAN_FROM_ROWS", 40)
+    monkeypatch.setattr(slafload.reader, "DIRECT_SCAN_FROM_ROWS", 10**6)
+    reader, scans = Reader(dataset, direct=direct), []
+    scan = reader._scan
+    monkeypatch.setattr(reader, "_scan", lambda *a: scans.append(a) or scan(*a))
+    fetch = Fetch(0, np.array([[0, 30], [200, 201]], dtype=np.int64))  # a span over 40 rows
+    assert int(np.diff(dataset.cell_start[[0, 30]])[0]) >= 40
+    np.testing.assert_array_equal(read_cells(reader, fetch), expected_cells(dataset, fetch))
+    assert len(scans) == scanners
 
 
 def test_ranges_coalesce_across_short_forward_gaps_only():
