@@ -131,6 +131,8 @@ class Batches(Stage[dict[str, np.ndarray]]):
         """
         assert self._epochs is not None
         n = _rows(arrays)
+        if not n:  # nothing to place, and no epoch to open for it
+            return
         while not self._left:
             left = next(self._epochs, None)
             if left is None:

@@ -204,6 +204,12 @@ def test_batches_end_every_epoch_where_its_rows_end(drop_last, sizes):
     assert ids.tolist() == (want if not drop_last else [0, 1, 2, 3, 5, 6, 7, 8])
 
 
+def test_batches_pass_over_an_empty_piece_at_an_epoch_end():
+    pieces = iter([rows(5), rows(0, 5), rows(2, 5), rows(0, 7)])
+    out = list(Batches(pieces, 4, epochs=iter([5, 2])))
+    assert [b["cell_integer_id"].tolist() for b in out] == [[0, 1, 2, 3], [4], [5, 6]]
+
+
 def test_batches_refuse_a_piece_that_crosses_an_epoch_or_comes_after_the_last():
     with pytest.raises(LoaderError, match="a piece of 3 rows arrived with 2 rows left"):
         list(Batches(iter([rows(3), rows(3)]), 4, epochs=iter([5, 7])))
