@@ -82,7 +82,9 @@ class Prefetcher(Generic[T]):
         try:
             iterator = self._produce(self._stop)
             for item in iterator:
-                if not self._put(item):
+                # A put that a stop request unblocked (close() drains the queue) ends the
+                # run too: making the next item would only delay close().
+                if not self._put(item) or self._stop.is_set():
                     return
             self._put(_End())
         except BaseException as exc:  # forwarded, never swallowed: the consumer re-raises it

@@ -62,6 +62,24 @@ def test_close_stops_a_blocked_producer_and_joins_its_thread():
         next(pf)
 
 
+def test_close_does_not_wait_for_an_item_nobody_will_take():
+    started = threading.Event()
+
+    def produce(stop):
+        yield 0
+        yield 1  # blocks in put: the queue holds item 0
+        started.set()  # making item 2 would take long; close() must not wait for it
+        time.sleep(5)
+        yield 2
+
+    pf = Prefetcher(produce, depth=1, name="slafload-test-next")
+    while pf._queue.qsize() < 1:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the producer is now blocked putting item 1
+    pf.close()
+    assert not pf.alive and not started.is_set()
+
+
 def test_the_generator_is_closed_when_stopped():
     cleaned = threading.Event()
 
