@@ -121,7 +121,7 @@ class Batches(Stage[dict[str, np.ndarray]]):
                 self._finished = True
                 self._ready = self._batcher.finish()
                 continue
-            self._ready = self._cut(arrays) if self._epochs else self._batcher.add(arrays)
+            self._ready = self._batcher.add(arrays) if self._epochs is None else self._cut(arrays)
 
     def _cut(self, arrays: Arrays) -> Iterator[dict[str, np.ndarray]]:
         """The batches ``arrays`` completes, and the end of its epoch if it is the last piece.
