@@ -1,4 +1,8 @@
-"""``tokenize_on="device"``: the same tokens as the producer, made with torch ops (CPU here)."""
+"""``tokenize_on="device"``: the same tokens as the producer, made with torch ops.
+
+On the CPU device everywhere, and on CUDA too where there is one (the GPU check of the
+layouts issue: ``pytest tests/test_device_tokenize.py`` on a GPU machine).
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,13 @@ from slafload.tokenizers.binning import ScGPTFixedBins
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+    ),
+]
+
 
 @pytest.fixture(scope="module", params=["uint16", "float32"])
 def atlas(request, tmp_path_factory):
@@ -28,7 +39,7 @@ def atlas(request, tmp_path_factory):
 
 def run(atlas, tokenize_on, **settings):
     with Loader(atlas, tokenize_on=tokenize_on, batch_size=20, **settings) as loader:
-        return list(loader)
+        return [{k: v.cpu() for k, v in batch.items()} for batch in loader]
 
 
 def assert_same_batches(got, want):
@@ -40,6 +51,7 @@ def assert_same_batches(got, want):
             assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("token_dtype", ["int64", "int32"])
 @pytest.mark.parametrize("layout", ["padded", "longest", "packed"])
 @pytest.mark.parametrize(
@@ -47,21 +59,24 @@ def assert_same_batches(got, want):
     [("geneformer", {}), ("scgpt", {}), ("scgpt", {"n_bins": 7}), ("raw", {})],
 )
 def test_device_tokens_equal_the_producers_in_every_layout(
-    atlas, tokenizer, options, layout, token_dtype
+    atlas, tokenizer, options, layout, token_dtype, device
 ):
     settings = {"tokenizer": tokenizer, "tokenizer_options": options, "layout": layout,
                 "token_dtype": token_dtype, "max_genes": 10,
                 "sampler": BlockShuffle(block_size=6, fetch_factor=5, batch_size=20),
                 "chunk_cells": 45}  # fmt: skip
-    assert_same_batches(run(atlas, "device", **settings), run(atlas, "producer", **settings))
+    on_device = run(atlas, "device", device=device, **settings)
+    assert_same_batches(on_device, run(atlas, "producer", **settings))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("max_genes", [2, 3, 64])  # geneformer's SEP dropped / exactly fits
-def test_device_tokens_equal_the_producers_when_rows_fill_up(atlas, max_genes):
+def test_device_tokens_equal_the_producers_when_rows_fill_up(atlas, max_genes, device):
     for tokenizer in ("geneformer", "scgpt", "raw"):
         settings = {"tokenizer": tokenizer, "max_genes": max_genes,
                     "sampler": ChunkShuffle(chunk_cells=64)}  # fmt: skip
-        assert_same_batches(run(atlas, "device", **settings), run(atlas, "producer", **settings))
+        on_device = run(atlas, "device", device=device, **settings)
+        assert_same_batches(on_device, run(atlas, "producer", **settings))
 
 
 def test_device_tokenizing_resumes_batch_for_batch(atlas):
