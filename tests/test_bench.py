@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from slafload.tools.bench import ensure_atlas
 
 
@@ -37,3 +39,19 @@ def test_the_layout_report_counts_what_each_layout_delivers(small_slaf):
     for row in report.values():
         assert row["next_ms_p99"] >= row["next_ms_p50"] > 0
         assert set(row["producer_us_per_cell"]) == {"rank", "tokenize", "batch+layout"}
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_the_dataloader_contender_streams_through_worker_processes_and_ends_them(
+    small_slaf, workers
+):
+    import multiprocessing
+
+    from slafload import open_dataset
+    from slafload.tools.bench import dataloader_run
+
+    ds = open_dataset(small_slaf)
+    args = argparse.Namespace(batch_size=16, max_genes=8, token_dtype="int64")
+    target = 2 * ds.n_cells + 5  # into the third epoch
+    assert dataloader_run(ds, "geneformer", args, target, workers) >= target
+    assert multiprocessing.active_children() == []  # the workers were shut down

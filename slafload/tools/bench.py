@@ -194,6 +194,40 @@ def slafload_run(
     return cells
 
 
+def dataloader_run(ds, tokenizer: str, args, target: int, workers: int) -> int:
+    """Stream ``target`` cells through ``torch.utils.data.DataLoader`` over the loader's
+    ``as_torch_dataset()`` with ``workers`` persistent worker processes (spawned: each starts
+    Python, torch and Lance, which the run's clock includes), epoch after epoch; the cells
+    delivered.
+
+    Each worker runs a producer of its own over its share of every epoch, so this is how
+    slafload uses more cores than one producer thread and its token worker can.
+    """
+    from torch.utils.data import DataLoader
+
+    with slafload.Loader(
+        ds, tokenizer=tokenizer, batch_size=args.batch_size, max_genes=args.max_genes,
+        n_epochs=None, seed=0, token_dtype=args.token_dtype,
+    ) as loader:  # fmt: skip
+        dataset = loader.as_torch_dataset()
+    data = DataLoader(
+        dataset, batch_size=None, num_workers=workers,
+        multiprocessing_context="spawn" if workers else None, persistent_workers=workers > 0,
+    )  # fmt: skip
+    got = 0
+    try:
+        for epoch in itertools.count():  # one pass of the DataLoader is one epoch
+            dataset.set_epoch(epoch)
+            got += consume(iter(data), target - got, key="cell_integer_id")
+            if got >= target:
+                return got
+    finally:
+        iterator = getattr(data, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()  # end the persistent workers now
+    raise AssertionError("unreachable")
+
+
 def slafdb_run(path: Path, tokenizer: str, args, target: int) -> int:
     """Stream ``target`` cells through slafdb's loader; the cells delivered."""
     from slaf import SLAFArray
@@ -322,6 +356,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         help="e.g. cuda: also time padded/packed delivered there, tokenized by the producer "
         "or on the device, and time next() there",
     )
+    p.add_argument(
+        "--workers",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="also time geneformer through torch's DataLoader with these numbers of worker "
+        "processes (comma-separated, e.g. 2,4,8: how a many-core machine scales)",
+    )
     args = p.parse_args(argv)
 
     path = ensure_atlas(args)
@@ -354,6 +395,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
                 ),
                 args.repeats,
             )
+    for workers in args.workers:  # several producers, one per DataLoader worker process
+        results[f"slafload_geneformer_workers{workers}"] = timed_runs(
+            f"slafload geneformer, DataLoader with {workers} workers",
+            partial(dataloader_run, ds, "geneformer", args, target, workers),
+            args.repeats,
+        )
     peers = not args.no_peers
     if peers:
         try:
@@ -375,6 +422,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     for tok in ours:
         rate = results[f"slafload_{tok}"]["cells_per_s"]
         ratios[f"{tok}_fraction_of_raw_scan"] = rate / floor
+        for key in [k for k in results if k.startswith(f"slafload_{tok}_workers")]:
+            ratios[f"{key.removeprefix('slafload_')}_fraction_of_raw_scan"] = (
+                results[key]["cells_per_s"] / floor
+            )
         for layout in layouts:
             if f"slafload_{tok}_{layout}" in results:
                 ratios[f"{tok}_{layout}_fraction_of_raw_scan"] = (
