@@ -63,20 +63,21 @@ def fresh(shape: int | tuple[int, ...], dtype: npt.DTypeLike, fill=None) -> np.n
     """
     dtype = np.dtype(dtype)
     count = int(np.prod(shape))
-    torch_dtype = _torch_dtype(dtype) if count * dtype.itemsize >= _HUGE else None
-    if torch_dtype is None:  # small, or a dtype this torch lacks (uint16 before torch 2.3)
+    kind = torch_dtype(dtype) if count * dtype.itemsize >= _HUGE else None
+    if kind is None:  # small, or a dtype this torch lacks (uint16 before torch 2.3)
         return np.empty(shape, dtype) if fill is None else np.full(shape, fill, dtype)
     import torch
 
     # Not a reshaped view: views of this array must name it as their base, or the reference
     # counts that RowBuffers relies on would not see them.
-    array = torch.empty(shape, dtype=torch_dtype).numpy()
+    array = torch.empty(shape, dtype=kind).numpy()
     if fill is not None:
         array.fill(fill)
     return array
 
 
-def _torch_dtype(dtype: np.dtype) -> Any:
+def torch_dtype(dtype: np.dtype) -> Any:
+    """The torch dtype of numpy ``dtype``, or ``None`` where this torch has none."""
     import torch
 
     try:
