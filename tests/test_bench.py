@@ -55,3 +55,16 @@ def test_the_dataloader_contender_streams_through_worker_processes_and_ends_them
     target = 2 * ds.n_cells + 5  # into the third epoch
     assert dataloader_run(ds, "geneformer", args, target, workers) >= target
     assert multiprocessing.active_children() == []  # the workers were shut down
+
+
+def test_the_steady_window_starts_once_the_warm_up_cells_are_in():
+    from slafload.tools.bench import Clock, consume
+
+    clock = Clock(warmup=5)
+    batches = iter([{"input_ids": [0] * 3} for _ in range(10)])
+    assert consume(batches, clock, until=11) == 12  # stops at the batch that reaches 11
+    assert clock.warm is not None and clock.warm[1] == 6  # the batch that passed 5 cells
+    assert next(batches)  # the rest were not drawn
+    timing = clock.timing()
+    assert set(timing) == {"end_to_end", "steady", "first_batch_s"}
+    assert clock.first_batch is not None and clock.start <= clock.first_batch <= clock.warm[0]
