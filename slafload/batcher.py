@@ -173,11 +173,13 @@ def pinned(array: np.ndarray) -> torch.Tensor:
     Not ``torch.from_numpy(array).pin_memory()``: that copies with ``Tensor.copy_``, which
     hands any tensor of 32,768 elements or more (every stream of a padded batch) to torch's
     intra-op thread pool. Each such copy wakes every OpenMP thread of the process, and they
-    spin-wait after it: once per tensor per batch, on the producer. On a 16-core GPU machine,
-    padded batches then cost 378 (geneformer) and 616 (scGPT) us of CPU per cell against 56
-    and 73 for packed ones, whose streams are shorter than that. The copy here is numpy's, on
-    the calling thread; the memory comes from torch's caching pinned allocator, as
-    ``pin_memory()``'s does, so a block is reused only after the copies from it have ended.
+    spin-wait after it: once per tensor per batch, on the producer. On CPU that copy costs
+    5-13x the CPU of numpy's per padded batch (``benchmarks/pin_copy.py``); on a 16-core GPU
+    machine padded batches cost 378 (geneformer) and 616 (scGPT) us of CPU per cell on their
+    way to the GPU against 56 and 73 for packed ones, whose streams are shorter than that
+    (docs/layouts.md). The copy here is numpy's, on the calling thread; the memory comes from
+    torch's caching pinned allocator, as ``pin_memory()``'s does, so a block is reused only
+    after the copies from it have ended.
     """
     out = torch.empty(array.shape, dtype=torch_dtype(array.dtype), pin_memory=True)
     copy_into(out, array)

@@ -14,8 +14,8 @@ first.
 
 Reported: cells/s per loader (median of ``--repeats`` runs), steady and end to end, the time
 to the first batch, the raw floor (a bare Lance scan of the same rows, no processing), the
-ratios, peak RSS during each run, and a per-stage profile of slafload's producer. For every layout (``padded``, ``longest``, ``packed``) and
-tokenize placement: cells/s, tokens per batch, bytes per cell delivered, the training thread's
+ratios, peak RSS during each run, and a per-stage profile of slafload's producer. For every
+layout (``padded``, ``longest``, ``packed``) and tokenize placement: cells/s, tokens per batch, bytes per cell delivered, the training thread's
 time in ``next()`` (p50/p99) and the producer's tokenizing cost (:mod:`slafload.tools.bench_layout`).
 Writes JSON (and a PNG bar chart when matplotlib is there).
 
@@ -276,10 +276,10 @@ def slafload_run(
 def dataloader_run(
     ds, tokenizer: str, args, until: int, workers: int, clock: Clock | None = None
 ) -> int:
-    """Stream ``until`` cells (counted by ``clock``) through ``torch.utils.data.DataLoader`` over the loader's
-    ``as_torch_dataset()`` with ``workers`` persistent worker processes (spawned: each starts
-    Python, torch and Lance, which the run's clock includes), epoch after epoch; the cells
-    delivered.
+    """Stream ``until`` cells (counted by ``clock``) through ``torch.utils.data.DataLoader``
+    over the loader's ``as_torch_dataset()`` with ``workers`` persistent worker processes
+    (spawned: each starts Python, torch and Lance, which the run's clock includes), epoch
+    after epoch; the cells delivered.
 
     Each worker runs a producer of its own over its share of every epoch, so this is how
     slafload uses more cores than one producer thread and its token worker can.
@@ -508,16 +508,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
 
     ratios = {}
     for tok in ours:
-        ratios[f"{tok}_fraction_of_raw_scan"] = results[f"slafload_{tok}"]["fraction_of_raw_scan"]
-        for key in [k for k in results if k.startswith(f"slafload_{tok}_workers")]:
-            ratios[f"{key.removeprefix('slafload_')}_fraction_of_raw_scan"] = results[key][
-                "fraction_of_raw_scan"
-            ]
-        for layout in layouts:
-            if f"slafload_{tok}_{layout}" in results:
-                ratios[f"{tok}_{layout}_fraction_of_raw_scan"] = results[
-                    f"slafload_{tok}_{layout}"
-                ]["fraction_of_raw_scan"]
+        keys = [f"slafload_{tok}", *(f"slafload_{tok}_{layout}" for layout in layouts)]
+        keys += [k for k in results if k.startswith(f"slafload_{tok}_workers")]
+        for key in (k for k in keys if k in results):
+            name = key.removeprefix("slafload_")
+            ratios[f"{name}_fraction_of_raw_scan"] = results[key]["fraction_of_raw_scan"]
         if f"slafdb_{tok}" in results:
             ours_, peer = results[f"slafload_{tok}"], results[f"slafdb_{tok}"]
             ratios[f"{tok}_vs_slafdb"] = ours_["cells_per_s"] / peer["cells_per_s"]
