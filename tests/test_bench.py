@@ -68,3 +68,39 @@ def test_the_steady_window_starts_once_the_warm_up_cells_are_in():
     timing = clock.timing()
     assert set(timing) == {"end_to_end", "steady", "first_batch_s"}
     assert clock.first_batch is not None and clock.start <= clock.first_batch <= clock.warm[0]
+
+
+def test_the_benchmark_runs_on_a_dataset_of_ones_own_for_a_fraction_of_an_epoch(
+    small_slaf, tmp_path
+):
+    import json
+
+    from slafload.tools.bench import main
+
+    out = tmp_path / "bench.json"
+    main([
+        "--dataset", str(small_slaf), "--epochs", "0.5", "--warmup", "0.1", "--repeats", "1",
+        "--no-peers", "--no-presets", "--layouts", "packed", "--consumer-batches", "2",
+        "--batch-size", "8", "--max-genes", "16", "--out", str(out),
+    ])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["dataset"]["path"] == str(small_slaf)
+    assert report["dataset"]["n_cells"] == 300
+    assert report["settings"]["cells_per_run"] == 30 + 150
+    assert report["settings"]["page_cache"].startswith("warm")
+    for key in ("slafload_geneformer", "slafload_scgpt_packed"):
+        run = report["results"][key]
+        assert run["cells_per_s"] > 0 and run["fraction_of_raw_scan"] > 0
+        assert len(run["paired_raw_scan_cells_per_s"]) == 1
+    assert set(report["ratios"]) >= {"geneformer_fraction_of_raw_scan",
+                                     "scgpt_packed_fraction_of_raw_scan"}  # fmt: skip
+
+
+def test_the_raw_scan_counts_whole_epochs_and_the_cells_of_a_remainder(small_slaf):
+    from slafload import open_dataset
+    from slafload.tools.bench import Clock, raw_floor
+
+    ds = open_dataset(small_slaf)
+    clock = Clock()
+    assert raw_floor(ds, 2 * ds.n_cells + 7, clock) == 2 * ds.n_cells + 7
+    assert clock.cells == 2 * ds.n_cells + 7
