@@ -39,12 +39,14 @@ import torch
 
 from slafload.buffers import RowBuffers
 from slafload.config import LoaderConfig
+from slafload.errors import LayoutError
 from slafload.ragged import RAGGED_KEY, Ragged, _builtin, ragged_tokens
 from slafload.ranking import PendingRank, start_rank
 from slafload.stage import Stage
 from slafload.types import Chunk, RankedChunk, Tokenizer
 
 INT64 = np.dtype(np.int64)
+ROW_TOKENS = "_row_tokens"  # a piece's per-row token counts, carried to the longest layout
 Arrays = dict[str, Any]  # row-aligned numpy arrays, and at most one Ragged under RAGGED_KEY
 
 
@@ -93,20 +95,40 @@ class Padded(_Layout):
 
 
 class Longest(_Layout):
-    """Rows padded to the longest cell of the batch, with ``attention_mask`` if padded had it."""
+    """Rows padded to the longest cell of the batch, with ``attention_mask`` if padded had it.
+
+    The piece is tokenized exactly as for ``padded`` (into reused buffers, on the token
+    worker); each batch's token rows are then its padded rows' first ``width`` columns, copied
+    out whole by the producer's ``ToTorch`` (one bulk copy per stream, no loop over cells).
+    """
 
     name = "longest"
-    ragged = True
+    ragged = False
+
+    def piece(self, arrays: Arrays) -> Arrays:
+        """Add how many columns of each row hold tokens (:data:`ROW_TOKENS`): up to its last
+        ``attention_mask`` position, or its ``lengths`` (raw).
+        """
+        mask = arrays.get("attention_mask")
+        if mask is not None and mask.ndim == 2:
+            last = mask.shape[1] - np.argmax(mask[:, ::-1], axis=1)  # one past the last true
+            tokens = np.where(mask.any(axis=1), last, 0)
+        elif "lengths" in arrays:  # raw: no mask, and a row holds its lengths' entries
+            tokens = np.asarray(arrays["lengths"])
+        else:
+            raise LayoutError(
+                f"tokenizer output {sorted(arrays)} has no 2-D attention_mask (or per-row "
+                "lengths), so its padding cannot be told from its tokens; use "
+                "layout='padded' with it, or return an attention_mask"
+            )
+        return {**arrays, ROW_TOKENS: tokens}
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
-        """The batch's rows padded to its longest cell."""
-        cells, rows = _split(batch)
-        lengths = rows.lengths
-        width = int(lengths.max()) if len(lengths) else 0
-        out = rows.padded(width)
-        if rows.masked:
-            out["attention_mask"] = np.arange(width) < lengths[:, None]
-        return {**out, **cells}
+        """The batch's padded rows without the columns that are padding in every row."""
+        out = dict(batch)
+        tokens = out.pop(ROW_TOKENS)
+        width = int(tokens.max()) if len(tokens) else 0
+        return {k: v[:, :width] if v.ndim == 2 else v for k, v in out.items()}
 
 
 class Packed(_Layout):
@@ -122,7 +144,7 @@ class Packed(_Layout):
         rows = arrays[RAGGED_KEY]
         streams = {**rows.streams, "position_ids": position_ids(rows.offsets, self.token_dtype)}
         pads = {**rows.pads, "position_ids": 0}
-        return {**arrays, RAGGED_KEY: Ragged(rows.offsets, streams, pads, rows.masked)}
+        return {**arrays, RAGGED_KEY: Ragged(rows.offsets, streams, pads)}
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
         """The batch's token streams back to back, with ``cu_seqlens`` offsets."""
@@ -208,14 +230,14 @@ class HostTokens:
         dtype = self.layout.token_dtype
         if self.layout.ragged:
             arrays = self.layout.piece(ragged_tokens(self.tokenizer, ranked, dtype))
-        elif _builtin(self.tokenizer) is not None:
-            arrays = dict(self.tokenizer(ranked, buffers=self.buffers))  # type: ignore[call-arg]
-            if dtype != np.int64:
-                arrays = {k: _narrow(v, dtype) for k, v in arrays.items()}
         else:
-            arrays = dict(self.tokenizer(ranked))
+            if _builtin(self.tokenizer) is not None:
+                arrays = dict(self.tokenizer(ranked, buffers=self.buffers))  # type: ignore[call-arg]
+            else:
+                arrays = dict(self.tokenizer(ranked))
             if dtype != np.int64:
                 arrays = {k: _narrow(v, dtype) for k, v in arrays.items()}
+            arrays = self.layout.piece(arrays)
         return arrays, ranked.output_cell_ids
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:

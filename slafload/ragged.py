@@ -2,8 +2,8 @@
 
 A :class:`Ragged` holds the token streams of ``n`` cells back to back (``input_ids``, scGPT's
 ``values``...), all aligned on one ``offsets`` array. The batcher cuts and joins it like any
-row-aligned array (``len``, slicing, :meth:`Ragged.concat`), and a layout
-(:mod:`slafload.layout`) turns each batch's rows into packed or padded tensors.
+row-aligned array (``len``, slicing, :meth:`Ragged.concat`), and the packed layout
+(:mod:`slafload.layout`) turns each batch's rows into packed tensors.
 
 :func:`ragged_tokens` makes one from a ranked piece: the built-ins (``geneformer``, ``scgpt``,
 ``raw``) write only real tokens, so no padding is filled and then stripped; any other
@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from slafload.buffers import copy_aligned_runs, fresh
+from slafload.buffers import fresh
 from slafload.errors import LayoutError
 from slafload.tokenizers import CLS, SEP, Geneformer, Raw, ScGPT, Tokenizer
 from slafload.tokenizers.builtin import copy_cell_tokens, gene_tokens
@@ -35,13 +35,11 @@ class Ragged:
         offsets: ``int64[n + 1]``, ``offsets[0] == 0``, non-decreasing.
         streams: Aligned 1-D arrays of ``offsets[-1]`` tokens each.
         pads: The padding value of each stream in the padded layout.
-        masked: Whether the padded layout carries an ``attention_mask``.
     """
 
     offsets: np.ndarray
     streams: Mapping[str, np.ndarray]
     pads: Mapping[str, int | float]
-    masked: bool = True
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -59,7 +57,7 @@ class Ragged:
         stop = max(start, stop)
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
         streams = {k: v[lo:hi] for k, v in self.streams.items()}
-        return Ragged(self.offsets[start : stop + 1] - lo, streams, self.pads, self.masked)
+        return Ragged(self.offsets[start : stop + 1] - lo, streams, self.pads)
 
     @staticmethod
     def concat(parts: Sequence[Ragged]) -> Ragged:
@@ -70,16 +68,7 @@ class Ragged:
             [first.offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shifts, strict=True)]
         )
         streams = {k: np.concatenate([p.streams[k] for p in parts]) for k in first.streams}
-        return Ragged(offsets, streams, first.pads, first.masked)
-
-    def padded(self, width: int) -> dict[str, np.ndarray]:
-        """Each stream as ``[n, width]`` rows padded with its pad value (rows must fit)."""
-        n, lengths = len(self), self.lengths
-        dst, src = np.arange(n, dtype=np.int64) * width, self.offsets[:-1]
-        out = {k: fresh((n, width), v.dtype, self.pads[k]) for k, v in self.streams.items()}
-        pairs = [(out[k].reshape(-1), v) for k, v in self.streams.items()]
-        copy_aligned_runs(pairs, dst, src, lengths)
-        return out
+        return Ragged(offsets, streams, first.pads)
 
 
 def ragged_tokens(tokenizer: Tokenizer, ranked: RankedChunk, dtype: np.dtype) -> dict:
@@ -162,7 +151,7 @@ def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype) -> dict:
     pairs = [(genes, ranked.genes), (values, ranked.values)]
     copy_cell_tokens(pairs, ranked, offsets[:-1], tok.max_genes)
     streams, pads = {"gene_ids": genes, "values": values}, {"gene_ids": -1, "values": 0}
-    return {RAGGED_KEY: Ragged(offsets, streams, pads, masked=False), "lengths": lengths}
+    return {RAGGED_KEY: Ragged(offsets, streams, pads), "lengths": lengths}
 
 
 def strip(arrays: dict[str, Any], dtype: np.dtype, *, name: str = "") -> dict:

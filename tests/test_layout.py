@@ -71,6 +71,7 @@ def test_packed_and_longest_are_padded_minus_its_padding_cell_for_cell(
         assert not real[:, width:].any()
         for key in [*streams, *(["attention_mask"] if "attention_mask" in pad else [])]:
             assert torch.equal(lng[key], pad[key][:, :width]), key
+            assert lng[key].is_contiguous(), key
         # packed: each cell's real tokens back to back, FlashAttention's cu_seqlens
         cu = pck["cu_seqlens"]
         assert cu.dtype == torch.int32 and cu[0] == 0
@@ -190,9 +191,10 @@ class Unmasked:
         return {"ids": np.zeros((ranked.n_cells, 3), dtype=np.int64)}
 
 
-def test_a_tokenizer_without_attention_mask_can_only_be_padded(atlas):
+@pytest.mark.parametrize("layout", ["longest", "packed"])
+def test_a_tokenizer_without_attention_mask_can_only_be_padded(atlas, layout):
     with (
-        Loader(atlas, tokenizer=Unmasked(), layout="packed") as loader,
+        Loader(atlas, tokenizer=Unmasked(), layout=layout) as loader,
         pytest.raises(LayoutError, match="attention_mask"),
     ):
         next(iter(loader))
