@@ -207,3 +207,15 @@ def test_a_tokenizer_without_attention_mask_can_only_be_padded(atlas, layout):
 def test_a_bad_layout_setting_is_refused_up_front_by_name(atlas, setting, value):
     with pytest.raises(ValueError, match=setting):
         Loader(atlas, **{setting: value})
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_position_ids_restart_at_every_row_empty_rows_included(dtype):
+    from slafload.layout import position_ids
+
+    lengths = [3, 0, 1, 0, 0, 4, 2, 0]
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    got = position_ids(offsets, np.dtype(dtype))
+    assert got.dtype == dtype
+    assert got.tolist() == [i for n in lengths for i in range(n)]
+    assert len(position_ids(np.zeros(3, dtype=np.int64), np.dtype(dtype))) == 0
