@@ -193,3 +193,16 @@ def test_the_row_check_finds_every_misplaced_row_and_names_the_first():
     shifted = np.roll(good, 1)  # offsets off by one row: every boundary moves
     expected = int(np.flatnonzero(shifted != good)[0])
     assert _misplaced_row(shifted, cell_ids, indptr, ranges) == expected
+
+
+def test_the_order_check_finds_exactly_the_steps_inside_cells_that_do_not_go_up():
+    from slafload.chunk import _unordered_steps
+
+    rng = np.random.default_rng(7)
+    for _ in range(500):
+        lengths = rng.integers(0, 6, int(rng.integers(1, 8)))
+        indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        genes = rng.integers(0, 6, int(indptr[-1])).astype(np.uint16)
+        want = [i for a, b in zip(indptr[:-1], indptr[1:], strict=True)
+                for i in range(a, b - 1) if genes[i + 1] <= genes[i]]  # fmt: skip
+        assert _unordered_steps(genes, indptr).tolist() == want
