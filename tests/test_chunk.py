@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import lance
 import numpy as np
 import pyarrow as pa
@@ -203,6 +205,6 @@ def test_the_order_check_finds_exactly_the_steps_inside_cells_that_do_not_go_up(
         lengths = rng.integers(0, 6, int(rng.integers(1, 8)))
         indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         genes = rng.integers(0, 6, int(indptr[-1])).astype(np.uint16)
-        want = [i for a, b in zip(indptr[:-1], indptr[1:], strict=True)
+        want = [i for a, b in itertools.pairwise(indptr.tolist())
                 for i in range(a, b - 1) if genes[i + 1] <= genes[i]]  # fmt: skip
         assert _unordered_steps(genes, indptr).tolist() == want
