@@ -83,9 +83,9 @@ def main() -> None:
         runs: dict[str, list[tuple[float, float, float]]] = {"one chain": [], "per epoch": []}
         for r in progress(range(args.rounds), desc=tokenizer):
             for name in ("one chain", "per epoch")[:: 1 if r % 2 == 0 else -1]:
-                raw = [_raw(ds, target)]
+                raw = [bench.raw_rate(ds, target)]
                 rate, wait = loader_run(ds, tokenizer, target, name == "per epoch")
-                raw.append(_raw(ds, target))
+                raw.append(bench.raw_rate(ds, target))
                 runs[name].append((rate, rate / statistics.mean(raw), wait))
         one, per = runs["one chain"], runs["per epoch"]
         results[tokenizer] = {
@@ -120,11 +120,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
-
-
-def _raw(ds, target: int) -> float:
-    start = time.perf_counter()
-    return bench.raw_floor(ds, target) / (time.perf_counter() - start)
 
 
 if __name__ == "__main__":
