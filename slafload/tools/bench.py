@@ -206,8 +206,8 @@ def raw_floor(ds: slafload.SlafDataset, target: int, clock: Clock | None = None)
     cells = 0
     while cells < target:
         n = min(ds.n_cells, target - cells)
-        rows = {} if n == ds.n_cells else {"offset": 0, "limit": int(ds.cell_start[n])}
-        for _ in ds.expression.to_batches(columns=COLUMNS, batch_size=1 << 20, **rows):
+        limit = None if n == ds.n_cells else int(ds.cell_start[n])
+        for _ in ds.expression.to_batches(columns=COLUMNS, batch_size=1 << 20, limit=limit):
             pass
         cells += n
         if clock is not None:
