@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,7 +124,8 @@ def test_synth_writes_the_requested_atlas(tmp_path, capsys):
 
 
 def test_the_installed_console_script_runs_info(tmp_path):
-    script = shutil.which("slafload")
+    # The script of the environment under test, not whichever `slafload` PATH finds first.
+    script = shutil.which("slafload", path=str(Path(sys.executable).parent))
     if script is None:
         pytest.skip("the slafload script is not installed (pip install -e .)")
     path = write_dense(tmp_path / "d.slaf", random_counts(10, 6, seed=1))
