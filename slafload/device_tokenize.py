@@ -111,7 +111,7 @@ class DeviceTokens:
             lengths = np.diff(kept[_offsets(lengths)])
             genes, values = genes[expressed], values[expressed]
         streams = {"genes": genes.astype(np.int32), "values": _torchable(values)}
-        ragged = Ragged(_offsets(lengths), streams, {"genes": 0, "values": 0})
+        ragged = Ragged(_offsets(lengths), streams)
         return {RAGGED_KEY: ragged}, c.cell_ids[c.order]
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:

@@ -143,8 +143,7 @@ class Packed(_Layout):
         # batch's: one pass per piece instead of one numpy call chain per batch.
         rows = arrays[RAGGED_KEY]
         streams = {**rows.streams, "position_ids": position_ids(rows.offsets, self.token_dtype)}
-        pads = {**rows.pads, "position_ids": 0}
-        return {**arrays, RAGGED_KEY: Ragged(rows.offsets, streams, pads)}
+        return {**arrays, RAGGED_KEY: Ragged(rows.offsets, streams)}
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
         """The batch's token streams back to back, with ``cu_seqlens`` offsets."""

@@ -34,12 +34,10 @@ class Ragged:
     Attributes:
         offsets: ``int64[n + 1]``, ``offsets[0] == 0``, non-decreasing.
         streams: Aligned 1-D arrays of ``offsets[-1]`` tokens each.
-        pads: The padding value of each stream in the padded layout.
     """
 
     offsets: np.ndarray
     streams: Mapping[str, np.ndarray]
-    pads: Mapping[str, int | float]
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -57,7 +55,7 @@ class Ragged:
         stop = max(start, stop)
         lo, hi = int(self.offsets[start]), int(self.offsets[stop])
         streams = {k: v[lo:hi] for k, v in self.streams.items()}
-        return Ragged(self.offsets[start : stop + 1] - lo, streams, self.pads)
+        return Ragged(self.offsets[start : stop + 1] - lo, streams)
 
     @staticmethod
     def concat(parts: Sequence[Ragged]) -> Ragged:
@@ -68,7 +66,7 @@ class Ragged:
             [first.offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shifts, strict=True)]
         )
         streams = {k: np.concatenate([p.streams[k] for p in parts]) for k in first.streams}
-        return Ragged(offsets, streams, first.pads)
+        return Ragged(offsets, streams)
 
 
 def ragged_tokens(tokenizer: Tokenizer, ranked: RankedChunk, dtype: np.dtype) -> dict:
@@ -133,14 +131,14 @@ def _sentences(
 
 def _geneformer(tok: Geneformer, ranked: RankedChunk, dtype: np.dtype) -> dict:
     offsets, ids, _ = _sentences(ranked, tok.max_genes - 1, tok.max_genes, dtype)
-    return {RAGGED_KEY: Ragged(offsets, {"input_ids": ids}, {"input_ids": 0})}
+    return {RAGGED_KEY: Ragged(offsets, {"input_ids": ids})}
 
 
 def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype) -> dict:
     aligned = [(dtype, tok.value_tokens(ranked))]
     offsets, ids, (values,) = _sentences(ranked, tok.max_genes, tok.max_genes + 2, dtype, aligned)
     streams = {"input_ids": ids, "values": values}
-    return {RAGGED_KEY: Ragged(offsets, streams, {"input_ids": 0, "values": 0})}
+    return {RAGGED_KEY: Ragged(offsets, streams)}
 
 
 def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype) -> dict:
@@ -150,27 +148,21 @@ def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype) -> dict:
     values = fresh(int(offsets[-1]), np.float32)
     pairs = [(genes, ranked.genes), (values, ranked.values)]
     copy_cell_tokens(pairs, ranked, offsets[:-1], tok.max_genes)
-    streams, pads = {"gene_ids": genes, "values": values}, {"gene_ids": -1, "values": 0}
-    return {RAGGED_KEY: Ragged(offsets, streams, pads), "lengths": lengths}
+    streams = {"gene_ids": genes, "values": values}
+    return {RAGGED_KEY: Ragged(offsets, streams), "lengths": lengths}
 
 
 def strip(arrays: dict[str, Any], dtype: np.dtype, *, name: str = "") -> dict:
-    """A padded tokenizer output with every ``attention_mask``-shaped array made ragged.
-
-    The pad value of each stream is read from the first padding slot (0 when there is none).
-    """
+    """A padded tokenizer output with every ``attention_mask``-shaped array made ragged."""
     mask = arrays.pop("attention_mask", None)
     if mask is None or mask.ndim != 2:
         raise LayoutError(
             f"tokenizer {name!r} returns no 2-D attention_mask, so its padding cannot be told "
             "from its tokens; use layout='padded' with it, or return an attention_mask"
         )
-    pad_at = np.unravel_index(int(np.argmin(mask)), mask.shape) if not mask.all() else None
-    streams, pads = {}, {}
+    streams = {}
     for key in [k for k, v in arrays.items() if v.shape == mask.shape]:
-        rows = arrays.pop(key)
-        pads[key] = rows[pad_at].item() if pad_at is not None else 0
-        stream = rows[mask]
+        stream = arrays.pop(key)[mask]
         streams[key] = stream.astype(dtype) if stream.dtype == np.int64 else stream
-    arrays[RAGGED_KEY] = Ragged(_offsets(mask.sum(axis=1)), streams, pads)
+    arrays[RAGGED_KEY] = Ragged(_offsets(mask.sum(axis=1)), streams)
     return arrays
