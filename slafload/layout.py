@@ -39,8 +39,7 @@ import torch
 
 from slafload.buffers import RowBuffers, fresh
 from slafload.config import LoaderConfig
-from slafload.errors import LayoutError
-from slafload.ragged import RAGGED_KEY, Ragged, _builtin, ragged_tokens
+from slafload.ragged import RAGGED_KEY, Ragged, _builtin, ragged_tokens, unmasked
 from slafload.ranking import PendingRank, start_rank
 from slafload.stage import Stage
 from slafload.types import Chunk, RankedChunk, Tokenizer
@@ -116,11 +115,7 @@ class Longest(_Layout):
         elif "lengths" in arrays:  # raw: no mask, and a row holds its lengths' entries
             tokens = np.asarray(arrays["lengths"])
         else:
-            raise LayoutError(
-                f"tokenizer output {sorted(arrays)} has no 2-D attention_mask (or per-row "
-                "lengths), so its padding cannot be told from its tokens; use "
-                "layout='padded' with it, or return an attention_mask"
-            )
+            raise unmasked(f"the tokenizer of output {sorted(arrays)}")
         return {**arrays, ROW_TOKENS: tokens}
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:

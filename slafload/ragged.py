@@ -156,13 +156,18 @@ def strip(arrays: dict[str, Any], dtype: np.dtype, *, name: str = "") -> dict:
     """A padded tokenizer output with every ``attention_mask``-shaped array made ragged."""
     mask = arrays.pop("attention_mask", None)
     if mask is None or mask.ndim != 2:
-        raise LayoutError(
-            f"tokenizer {name!r} returns no 2-D attention_mask, so its padding cannot be told "
-            "from its tokens; use layout='padded' with it, or return an attention_mask"
-        )
+        raise unmasked(f"tokenizer {name!r}")
     streams = {}
     for key in [k for k, v in arrays.items() if v.shape == mask.shape]:
         stream = arrays.pop(key)[mask]
         streams[key] = stream.astype(dtype) if stream.dtype == np.int64 else stream
     arrays[RAGGED_KEY] = Ragged(_offsets(mask.sum(axis=1)), streams)
     return arrays
+
+
+def unmasked(tokenizer: str) -> LayoutError:
+    """The error for a ``tokenizer`` whose padding cannot be told from its tokens."""
+    return LayoutError(
+        f"{tokenizer} returns no 2-D attention_mask, so its padding cannot be told from its "
+        "tokens; use layout='padded' with it, or return an attention_mask"
+    )
