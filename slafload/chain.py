@@ -27,6 +27,7 @@ from slafload.dataset import SlafDataset
 from slafload.first_read import split_first
 from slafload.layout import LayOut, TokenStage, make_token_stage
 from slafload.partition import Part
+from slafload.ranges import RangeSet
 from slafload.ranking import RankGenes
 from slafload.read import Read, RetryingReader
 from slafload.reader import COLUMNS
@@ -53,6 +54,9 @@ class ChainSpec:
         transforms: Chunk transforms run before ranking, in order.
         obs: Obs column name to ``int64`` code per cell, added to every batch.
         pin_memory: Pin each batch's tensors on the producer thread.
+        checked: Cells whose rows the loader's chains have checked against
+            ``cell_start_index`` (``LoaderConfig.check_rows``); kept by the spec, so the
+            chains of later epochs read them without ``cell_integer_id``.
     """
 
     dataset: SlafDataset | Mixture
@@ -61,6 +65,7 @@ class ChainSpec:
     transforms: tuple[ChunkTransform, ...] = ()
     obs: Mapping[str, Any] = field(default_factory=dict)  # int64 codes indexable by cell id
     pin_memory: bool = False
+    checked: RangeSet = field(default_factory=RangeSet)
 
     @cached_property
     def tokens(self) -> TokenStage:
@@ -117,6 +122,7 @@ def build_chain(
         batch_rows=cfg.read_batch_rows, direct=cfg.read_data_files, threads=cfg.read_threads
     )
     reader = RetryingReader(lance_reader, cfg.retry, uri=ds.uri, sleep=sleep)
+    checked = spec.checked if cfg.check_rows == "once" else None
     # The run's first part is read as its first few output cells, then the rest: the first
     # batch waits for a handful of cells, not a whole fetch (same cells, same order).
     parts = split_first(parts, max(cfg.first_read_cells, cfg.batch_size))
@@ -127,9 +133,10 @@ def build_chain(
         row_bytes=ds.row_bytes(COLUMNS),
         read_ahead=cfg.read_ahead,
         memory_budget=cfg.memory_budget,
+        checked=checked,
     )
     s: Stage[Any] = observe("read", read)
-    s = observe("assemble", Assemble(s, ds))  # type: ignore[arg-type]  # duck-typed dataset
+    s = observe("assemble", Assemble(s, ds, checked))  # type: ignore[arg-type]  # duck-typed
     s = observe("shuffle", Shuffle(s))
     s = observe("transform", Transform(s, spec.transforms))
     s = observe("split", Split(s, cfg.piece_cells))

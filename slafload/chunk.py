@@ -23,7 +23,7 @@ from slafload.buffers import gather_runs, scratch
 from slafload.dataset import SlafDataset
 from slafload.errors import InconsistentDataError
 from slafload.partition import Part
-from slafload.ranges import expand
+from slafload.ranges import RangeSet, expand
 from slafload.read import Group
 from slafload.samplers.base import shuffle_order
 from slafload.stage import Stage
@@ -37,11 +37,15 @@ def assemble(
     *,
     uri: str = "",
     n_genes: int | None = None,
+    checked: bool = False,
 ) -> Chunk:
     """Concatenate a fetch's record batches into a :class:`~slafload.types.Chunk`, validating
     every row.
 
     ``n_genes`` (the ``genes`` table's row count), when given, bounds the gene ids.
+    ``checked``: the fetch's rows were checked against ``cell_start`` before (their
+    ``cell_integer_id`` column may be missing and is not compared again); the row count,
+    gene ids and values are still checked.
 
     Raises:
         InconsistentDataError: the rows do not belong to the fetch's cells in order, a gene id
@@ -72,11 +76,12 @@ def assemble(
             empty.astype(np.float32),
             np.arange(len(cell_ids), dtype=np.int64),
         )
-    row_cells = _column(table, "cell_integer_id")
     genes = _column(table, "gene_integer_id")
     values = _column(table, "value")
-    bad = _misplaced_row(row_cells, cell_ids, indptr, fetch.ranges)
+    row_cells = None if checked else _column(table, "cell_integer_id")
+    bad = None if row_cells is None else _misplaced_row(row_cells, cell_ids, indptr, fetch.ranges)
     if bad is not None:
+        assert row_cells is not None
         expected = cell_ids[np.searchsorted(indptr, bad, side="right") - 1]
         raise InconsistentDataError(
             f"{where}: row {bad} of the chunk belongs to cell {row_cells[bad]} but "
@@ -246,20 +251,26 @@ class Assemble(Stage[tuple[Part, Chunk]]):
     """Each part's record batches, read by :class:`~slafload.read.Read`, as one checked chunk.
 
     A part read in several groups is assembled group by group (each group's Arrow data is
-    released once it is assembled), then the groups' chunks are joined.
+    released once it is assembled), then the groups' chunks are joined. A group of one
+    contiguous cell range whose rows pass the check is added to ``checked`` (the read stage
+    then reads those cells without ``cell_integer_id``: ``LoaderConfig.check_rows``).
     """
 
-    def __init__(self, source: Iterator[Group], dataset: SlafDataset):
+    def __init__(
+        self, source: Iterator[Group], dataset: SlafDataset, checked: RangeSet | None = None
+    ):
         super().__init__(source)
-        self.dataset = dataset
+        self.dataset, self.checked = dataset, checked
 
     def __next__(self) -> tuple[Part, Chunk]:
         ds, chunks = self.dataset, []
         while True:
             group = next(self.source)
-            chunks.append(
-                assemble(group.fetch, group.batches, ds.cell_start, uri=ds.uri, n_genes=ds.n_genes)
-            )
+            fetch, again = group.fetch, not group.cell_ids
+            chunks.append(assemble(fetch, group.batches, ds.cell_start, uri=ds.uri,
+                                   n_genes=ds.n_genes, checked=again))  # fmt: skip
+            if self.checked is not None and not again and len(fetch.ranges) == 1:
+                self.checked.add(*fetch.ranges[0].tolist())
             if group.last:
                 break
             del group

@@ -7,6 +7,9 @@ steps is a vectorized function here, with no Python loop over ranges.
 
 from __future__ import annotations
 
+import threading
+from bisect import bisect_left, bisect_right
+
 import numpy as np
 
 
@@ -84,3 +87,44 @@ def describe(ranges: np.ndarray, limit: int = 4) -> str:
     """``"[a, b), [c, d), ... n more"``: ranges for an error message or a ``repr``."""
     spans = ", ".join(f"[{a}, {b})" for a, b in np.asarray(ranges)[:limit].tolist())
     return spans + (f", ... {len(ranges) - limit} more" if len(ranges) > limit else "")
+
+
+class RangeSet:
+    """A growing set of integers held as sorted, disjoint, merged ranges ``[start, stop)``.
+
+    The read and chunk stages keep the cell ranges whose rows have been checked against
+    ``cell_start_index`` in one (``LoaderConfig.check_rows``). Its size is the number of
+    separate runs added, not of integers: contiguous reads merge as they meet (one run once an
+    epoch of :class:`~slafload.samplers.ChunkShuffle` fetches has been added), and at most one
+    run per fetch of an epoch in between. Safe to share between threads.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._stops: list[int] = []
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Separate runs held."""
+        return len(self._starts)
+
+    def covers(self, start: int, stop: int) -> bool:
+        """Whether every integer of ``[start, stop)`` is in the set (an empty range is)."""
+        if stop <= start:
+            return True
+        with self._lock:
+            i = bisect_right(self._starts, start) - 1
+            return i >= 0 and self._stops[i] >= stop
+
+    def add(self, start: int, stop: int) -> None:
+        """Add ``[start, stop)``, merging it with the runs it overlaps or touches."""
+        if stop <= start:
+            return
+        with self._lock:
+            first = bisect_left(self._stops, start)  # runs ending at or after start...
+            last = bisect_right(self._starts, stop)  # ...and starting at or before stop
+            if first < last:
+                start = min(start, self._starts[first])
+                stop = max(stop, self._stops[last - 1])
+            self._starts[first:last] = [start]
+            self._stops[first:last] = [stop]

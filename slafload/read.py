@@ -34,7 +34,7 @@ from slafload import budget
 from slafload.config import RetryPolicy
 from slafload.errors import ReadError, SlafloadError
 from slafload.partition import Part
-from slafload.ranges import describe
+from slafload.ranges import RangeSet, describe
 from slafload.reader import MAX_GAP_ROWS, started
 from slafload.stage import Stage
 from slafload.types import Fetch
@@ -45,8 +45,10 @@ logger = logging.getLogger(__name__)
 class FetchReader(Protocol):
     """Anything that turns a fetch into record batches (:class:`~slafload.reader.Reader`)."""
 
-    def read(self, fetch: Fetch) -> Iterable[pa.RecordBatch]:
-        """The record batches holding exactly the expression rows of ``fetch``."""
+    def read(self, fetch: Fetch, *, cell_ids: bool = True) -> Iterable[pa.RecordBatch]:
+        """The record batches holding exactly the expression rows of ``fetch``
+        (``cell_ids=False``: the ``cell_integer_id`` column may be left out).
+        """
 
 
 class RetryingReader:
@@ -74,17 +76,18 @@ class RetryingReader:
         self.uri = uri
         self._sleep = sleep
 
-    def read(self, fetch: Fetch) -> Iterator[pa.RecordBatch]:
-        """The record batches of ``fetch``, read completely before the first is returned.
+    def read(self, fetch: Fetch, *, cell_ids: bool = True) -> Iterator[pa.RecordBatch]:
+        """The record batches of ``fetch``, read completely before the first is returned
+        (``cell_ids`` as for :meth:`FetchReader.read`).
 
         Raises:
             ReadError: every attempt failed, or a non-transient storage error occurred; the
                 message names the fetch index and cell ranges and the cause is chained.
             SlafloadError: a data error (e.g. inconsistent rows) passes through unchanged.
         """
-        return self.start(fetch).result()
+        return self.start(fetch, cell_ids=cell_ids).result()
 
-    def start(self, fetch: Fetch) -> PendingRead:
+    def start(self, fetch: Fetch, *, cell_ids: bool = True) -> PendingRead:
         """Start the first attempt at ``fetch`` and return with its rows on the way.
 
         The wrapped reader is taken as far as its first batch, which for
@@ -95,18 +98,20 @@ class RetryingReader:
         """
 
         def first_attempt() -> Iterator[pa.RecordBatch]:
-            yield from self.reader.read(fetch)
+            yield from self.reader.read(fetch, cell_ids=cell_ids)
 
-        return PendingRead(self, fetch, started(first_attempt()))
+        return PendingRead(self, fetch, started(first_attempt()), cell_ids)
 
     def complete(
-        self, fetch: Fetch, first_attempt: Iterator[pa.RecordBatch]
+        self, fetch: Fetch, first_attempt: Iterator[pa.RecordBatch], *, cell_ids: bool = True
     ) -> list[pa.RecordBatch]:
         """Every record batch of ``fetch``: the rest of ``first_attempt``, retried on failure."""
         policy = self.policy
         for attempt in range(1, policy.attempts + 1):
             try:
-                batches = first_attempt if attempt == 1 else self.reader.read(fetch)
+                batches = (
+                    first_attempt if attempt == 1 else self.reader.read(fetch, cell_ids=cell_ids)
+                )
                 return list(batches)
             except Exception as exc:
                 transient = self._is_transient(exc)
@@ -162,13 +167,14 @@ class PendingRead:
     reader: RetryingReader
     fetch: Fetch
     first_attempt: Iterator[pa.RecordBatch]
+    cell_ids: bool = True
 
     def result(self) -> Iterator[pa.RecordBatch]:
         """All record batches of the fetch, retrying as :meth:`RetryingReader.read` does.
 
         Call it once: the first attempt's stream is consumed by the first call.
         """
-        return iter(self.reader.complete(self.fetch, self.first_attempt))
+        return iter(self.reader.complete(self.fetch, self.first_attempt, cell_ids=self.cell_ids))
 
 
 @dataclass(frozen=True, eq=False)
@@ -184,6 +190,7 @@ class Group:
     fetch: Fetch
     batches: list[pa.RecordBatch]
     last: bool
+    cell_ids: bool = True  # False: read without cell_integer_id, the rows checked before
 
 
 @dataclass(eq=False)
@@ -206,6 +213,10 @@ class Read(Stage[Group]):
     plan a later part (pulling it from the source) is raised only when that part's turn
     comes, after every batch of the parts before it; a failed read ahead is retried, or
     raised, only when its turn comes too.
+
+    ``checked`` holds the cells whose rows the chunk stage has checked against
+    ``cell_start_index`` (``LoaderConfig.check_rows="once"``): a group of one contiguous range
+    of such cells is read without ``cell_integer_id``. ``None`` reads it every time.
     """
 
     def __init__(
@@ -217,10 +228,12 @@ class Read(Stage[Group]):
         row_bytes: int,
         read_ahead: int = 2,
         memory_budget: int = 512 << 20,
+        checked: RangeSet | None = None,
     ):
         super().__init__(source)
         self.reader, self.cell_start, self.row_bytes = reader, cell_start, row_bytes
         self.read_ahead, self.memory_budget = read_ahead, memory_budget
+        self.checked = checked
         self._ahead: deque[_Reading] = deque()
         self._failure: Exception | None = None
         self._peeked: Part | None = None
@@ -235,6 +248,12 @@ class Read(Stage[Group]):
         quarter = self.memory_budget // 4
         groups = budget.groups(part.fetch, self.cell_start, self.row_bytes, quarter, MAX_GAP_ROWS)
         return _Reading(part, groups, quarter)
+
+    def _start(self, fetch: Fetch) -> PendingRead:
+        """Start reading ``fetch``, without cell ids where its cells were checked before."""
+        ranges, checked = fetch.ranges, self.checked
+        again = checked is not None and len(ranges) == 1 and checked.covers(*ranges[0].tolist())
+        return self.reader.start(fetch, cell_ids=not again)
 
     def _start_until(self, n: int, holding: int = 0) -> None:
         """Start reads until ``n`` are in flight or the next does not fit the budget."""
@@ -252,7 +271,7 @@ class Read(Stage[Group]):
             held = holding + sum(r.cost for r in self._ahead)
             if not budget.fits(held, reading.cost, self.memory_budget):
                 return
-            reading.pending = self.reader.start(reading.groups[0])
+            reading.pending = self._start(reading.groups[0])
             self._ahead.append(reading)
             self._peeked = None
 
@@ -265,10 +284,11 @@ class Read(Stage[Group]):
             raise StopIteration
         reading, k = self._ahead[0], self._group
         assert reading.pending is not None
+        cell_ids = reading.pending.cell_ids
         batches = list(reading.pending.result())
         last = k + 1 == len(reading.groups)
         if not last:  # decoded by Lance while this group is assembled
-            reading.pending = self.reader.start(reading.groups[k + 1])
+            reading.pending = self._start(reading.groups[k + 1])
             self._group = k + 1
         else:
             self._ahead.popleft()
@@ -276,7 +296,7 @@ class Read(Stage[Group]):
             if not self._first:  # the run's first part is handed on before reading ahead
                 self._start_until(self.read_ahead, holding=reading.cost)
             self._first = False
-        return Group(reading.part, reading.groups[k], batches, last)
+        return Group(reading.part, reading.groups[k], batches, last, cell_ids)
 
     def close(self) -> None:
         """Drop the reads started ahead (Lance finishes them on its own threads)."""

@@ -101,8 +101,13 @@ class Reader:
         """``int64[k, 2]`` expression row ranges of the fetch's cell ranges."""
         return self.dataset.cell_start[fetch.ranges]
 
-    def read(self, fetch: Fetch) -> Iterator[pa.RecordBatch]:
+    def read(self, fetch: Fetch, *, cell_ids: bool = True) -> Iterator[pa.RecordBatch]:
         """Yield the record batches holding exactly the rows of ``fetch``, in range order.
+
+        ``cell_ids=False`` allows leaving the ``cell_integer_id`` column out (for rows
+        already checked): a fetch of one contiguous range is then scanned without it, which
+        saves about a fifth of the scan's decoding. Scattered ranges always carry it (the
+        kept-open file readers are opened for all three columns).
 
         Raises:
             ReadError: storage failed; the message names the fetch and its cell ranges.
@@ -113,7 +118,8 @@ class Reader:
             return
         try:
             if len(rows) == 1:
-                yield from started(self._scan(int(rows[0, 0]), int(rows[0, 1])))
+                columns = COLUMNS if cell_ids else COLUMNS[1:]
+                yield from started(self._scan(int(rows[0, 0]), int(rows[0, 1]), columns))
             else:
                 yield from self._read_many(rows)
         except SlafloadError:
@@ -124,9 +130,11 @@ class Reader:
                 f"{self.dataset.uri!r} failed: {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _scan(self, start: int, stop: int) -> Iterator[pa.RecordBatch]:
+    def _scan(
+        self, start: int, stop: int, columns: list[str] = COLUMNS
+    ) -> Iterator[pa.RecordBatch]:
         scanner = self.dataset.expression.scanner(
-            columns=COLUMNS,
+            columns=columns,
             offset=start,
             limit=stop - start,
             batch_size=self.batch_rows,

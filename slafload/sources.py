@@ -109,15 +109,18 @@ class MixedReader:
             ds.reader(batch_rows=batch_rows, direct=direct, threads=threads) for ds in datasets
         ]
 
-    def read(self, fetch: Fetch) -> Iterator[pa.RecordBatch]:
-        """The record batches of ``fetch``, read from its source, with global cell ids."""
+    def read(self, fetch: Fetch, *, cell_ids: bool = True) -> Iterator[pa.RecordBatch]:
+        """The record batches of ``fetch``, read from its source, with global cell ids
+        (``cell_ids=False``: possibly without them, as :meth:`slafload.reader.Reader.read` says).
+        """
         if not len(fetch.ranges):
             return
         k = int(source_of(self.offsets, fetch.ranges[:1, 0])[0])
         offset = int(self.offsets[k])
         local = Fetch(fetch.index, fetch.ranges - offset, fetch.shuffle_seed)
-        for batch in self.readers[k].read(local):
-            yield batch if offset == 0 else _shift_cells(batch, offset, int(self.offsets[-1]))
+        for batch in self.readers[k].read(local, cell_ids=cell_ids):
+            shift = offset and "cell_integer_id" in batch.schema.names
+            yield _shift_cells(batch, offset, int(self.offsets[-1])) if shift else batch
 
 
 def _shift_cells(batch: pa.RecordBatch, offset: int, n_cells: int) -> pa.RecordBatch:

@@ -44,9 +44,9 @@ class RecordingReader(Reader):
         super().__init__(dataset)
         self.events = events
 
-    def read(self, fetch):
+    def read(self, fetch, **kw):
         self.events.append(("read", fetch.index))
-        yield from super().read(fetch)
+        yield from super().read(fetch, **kw)
 
 
 @pytest.mark.parametrize(
@@ -106,11 +106,11 @@ def test_a_failed_read_ahead_is_retried_when_its_turn_comes(small_slaf, monkeypa
     calls: Counter[int] = Counter()
 
     class FailsOnce(Reader):
-        def read(self, fetch):
+        def read(self, fetch, **kw):
             calls[fetch.index] += 1
             if fetch.index == 1 and calls[1] == 1:
                 raise OSError("injected fault while reading ahead")
-            yield from super().read(fetch)
+            yield from super().read(fetch, **kw)
 
     monkeypatch.setattr(slafload.reader, "Reader", FailsOnce)
     with Loader(small_slaf, batch_size=16, chunk_cells=32, shuffle=False) as loader:

@@ -125,9 +125,9 @@ def test_the_next_epoch_is_read_before_this_one_ends(small_slaf, monkeypatch):
     events: list[str] = []
     read = slafload.reader.Reader.read
 
-    def recording(self, fetch):
+    def recording(self, fetch, **kw):
         events.append("read")
-        yield from read(self, fetch)
+        yield from read(self, fetch, **kw)
 
     monkeypatch.setattr(slafload.reader.Reader, "read", recording)
     ds, sampler = open_dataset(small_slaf), ChunkShuffle(chunk_cells=100)

@@ -29,14 +29,14 @@ def flaky_reader(failures: dict[int, int], *, after_batches: int = 0, exc=OSErro
     calls: Counter[int] = Counter()
 
     class FlakyReader(Reader):
-        def read(self, fetch):
+        def read(self, fetch, **kw):
             calls[fetch.index] += 1
             if calls[fetch.index] <= failures.get(fetch.index, 0):
-                batches = super().read(fetch)
+                batches = super().read(fetch, **kw)
                 for _ in range(after_batches):  # a partial read before the failure
                     yield next(batches)
                 raise exc(f"injected fault #{calls[fetch.index]} on fetch {fetch.index}")
-            yield from super().read(fetch)
+            yield from super().read(fetch, **kw)
 
     FlakyReader.calls = calls
     return FlakyReader

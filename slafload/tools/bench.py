@@ -281,7 +281,7 @@ def slafload_run(
         seed=0,
         layout=layout,
         token_dtype=args.token_dtype,
-        **settings,
+        **{"check_rows": getattr(args, "check_rows", "once"), **settings},
     ) as loader:
         cells = consume(iter(loader), clock, until, key="cell_integer_id")
     if settings.get("device") is not None and str(settings["device"]).startswith("cuda"):
@@ -456,6 +456,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         help="layouts timed end to end beside padded (comma-separated; '' for none)",
     )
     p.add_argument("--token-dtype", default="int64", choices=["int64", "int32"])
+    p.add_argument(
+        "--check-rows",
+        default="once",
+        choices=["once", "always"],
+        help="LoaderConfig.check_rows of slafload's runs ('always': compare every row's "
+        "cell_integer_id on every read, as 0.1 did)",
+    )
     p.add_argument("--consumer-batches", type=int, default=300, help="next() calls timed")
     p.add_argument(
         "--step-ms", type=float, default=5.0, help="simulated training step while timing next()"
@@ -562,6 +569,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
                 "scgpt-reference": 3001,
             },  # each model's default, whatever max_genes says
             "token_dtype": args.token_dtype,
+            "check_rows": args.check_rows,
             "cells_per_run": until,
             "epochs_per_run": args.epochs,
             "warmup_cells": warmup,
