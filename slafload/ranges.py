@@ -96,10 +96,13 @@ class RangeSet:
     ``cell_start_index`` in one (``LoaderConfig.check_rows``). Its size is the number of
     separate runs added, not of integers: contiguous reads merge as they meet (one run once an
     epoch of :class:`~slafload.samplers.ChunkShuffle` fetches has been added), and at most one
-    run per fetch of an epoch in between. Safe to share between threads.
+    run per fetch of an epoch in between. At most ``max_runs`` runs are held (a few MB of
+    Python ints): a range that would start another is then not added, so it is checked
+    again when it is read again. Safe to share between threads.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_runs: int = 1 << 16) -> None:
+        self.max_runs = max_runs
         self._starts: list[int] = []
         self._stops: list[int] = []
         self._lock = threading.Lock()
@@ -116,15 +119,20 @@ class RangeSet:
             i = bisect_right(self._starts, start) - 1
             return i >= 0 and self._stops[i] >= stop
 
-    def add(self, start: int, stop: int) -> None:
-        """Add ``[start, stop)``, merging it with the runs it overlaps or touches."""
+    def add(self, start: int, stop: int) -> bool:
+        """Add ``[start, stop)``, merging it with the runs it overlaps or touches; ``False``
+        (and nothing added) when it would be a new run beyond ``max_runs``.
+        """
         if stop <= start:
-            return
+            return True
         with self._lock:
             first = bisect_left(self._stops, start)  # runs ending at or after start...
             last = bisect_right(self._starts, stop)  # ...and starting at or before stop
             if first < last:
                 start = min(start, self._starts[first])
                 stop = max(stop, self._stops[last - 1])
+            elif len(self._starts) >= self.max_runs:
+                return False
             self._starts[first:last] = [start]
             self._stops[first:last] = [stop]
+            return True

@@ -48,6 +48,15 @@ def test_touching_ranges_merge_into_one_run():
     assert ranges.covers(5, 5)  # an empty range
 
 
+def test_a_full_range_set_adds_only_what_merges():
+    ranges = RangeSet(max_runs=2)
+    assert ranges.add(0, 10) and ranges.add(20, 30)
+    assert not ranges.add(40, 50) and not ranges.covers(40, 50) and len(ranges) == 2
+    assert ranges.add(30, 35) and ranges.covers(20, 35)  # touches a run: merged
+    assert ranges.add(10, 20) and len(ranges) == 1 and ranges.covers(0, 35)
+    assert ranges.add(40, 50) and len(ranges) == 2  # room again
+
+
 @pytest.fixture
 def dataset(tmp_path):
     dense = random_counts(200, 25, seed=5, density=0.4, empty_every=13)
