@@ -78,22 +78,29 @@ def assemble(
         )
     genes = _column(table, "gene_integer_id")
     values = _column(table, "value")
-    row_cells = None if checked else _column(table, "cell_integer_id")
-    bad = None if row_cells is None else _misplaced_row(row_cells, cell_ids, indptr, fetch.ranges)
-    if bad is not None:
-        assert row_cells is not None
-        expected = cell_ids[np.searchsorted(indptr, bad, side="right") - 1]
-        raise InconsistentDataError(
-            f"{where}: row {bad} of the chunk belongs to cell {row_cells[bad]} but "
-            f"cell_start_index places it in cell {expected}. Expression rows must be "
-            "sorted by cell_integer_id and agree with cells.cell_start_index."
-        )
+    if not checked:
+        _check_cells(_column(table, "cell_integer_id"), cell_ids, indptr, fetch.ranges, where)
     if n_genes is not None:
         _check_gene_range(genes, n_genes, indptr, cell_ids, where)
     _check_values(values, where)
     indptr, genes, values = sort_genes_within_cells(indptr, genes, values)
     return Chunk(
         fetch.index, cell_ids, indptr, genes, values, np.arange(len(cell_ids), dtype=np.int64)
+    )
+
+
+def _check_cells(
+    row_cells: np.ndarray, cell_ids: np.ndarray, indptr: np.ndarray, ranges: np.ndarray, where: str
+) -> None:
+    """Raise unless every row's ``cell_integer_id`` is the cell ``indptr`` places it in."""
+    bad = _misplaced_row(row_cells, cell_ids, indptr, ranges)
+    if bad is None:
+        return
+    expected = cell_ids[np.searchsorted(indptr, bad, side="right") - 1]
+    raise InconsistentDataError(
+        f"{where}: row {bad} of the chunk belongs to cell {row_cells[bad]} but "
+        f"cell_start_index places it in cell {expected}. Expression rows must be "
+        "sorted by cell_integer_id and agree with cells.cell_start_index."
     )
 
 
