@@ -56,6 +56,7 @@ OPTION_SETS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "read_ahead=2": ({"read_ahead": 2, "memory_budget": 512 << 20}, {}),
     "io_threads=16": ({}, {"LANCE_IO_THREADS": "16"}),
     "take_scan": ({"read_data_files": False}, {}),
+    "direct": ({"read_data_files": True}, {}),  # kept-open file readers, whatever the format
 }
 
 CHILD_ONLY = {"child", "uri", "spec", "settings", "storage_options"}

@@ -134,7 +134,7 @@ class SlafDataset:
         return codes.to_numpy(), categories.to_list()
 
     def reader(
-        self, *, batch_rows: int = 1 << 22, direct: bool = True, threads: int | None = None
+        self, *, batch_rows: int = 1 << 22, direct: bool | None = None, threads: int | None = None
     ) -> Reader:
         """The Lance reader of this dataset's fetches (a mixture brings one per source)."""
         from slafload.reader import Reader

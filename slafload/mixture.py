@@ -209,7 +209,7 @@ class Mixture:
         return None
 
     def reader(
-        self, *, batch_rows: int = 1 << 22, direct: bool = True, threads: int | None = None
+        self, *, batch_rows: int = 1 << 22, direct: bool | None = None, threads: int | None = None
     ) -> MixedReader:
         """The Lance reader of the mixture: each fetch read from its own source."""
         return MixedReader(

@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from slafload._compat import take_scan
 from slafload._validate import check_int
-from slafload.data_files import DataFiles, is_remote
+from slafload.data_files import DataFiles, direct_by_default, is_remote
 from slafload.dataset import SlafDataset
 from slafload.errors import ReadError, SlafloadError
 from slafload.ranges import coalesce, describe, expand_ranges, span_ends
@@ -64,7 +64,8 @@ class Reader:
         batch_rows: Rows per Arrow record batch requested from Lance.
         direct: Read short spans from the data files with open file readers
             (:mod:`slafload.data_files`) where that is exact; ``False`` always uses
-            ``take_scan``.
+            ``take_scan``; ``None`` decides by storage and file format
+            (:func:`~slafload.data_files.direct_by_default`).
         threads: Data files the direct path reads at once (:class:`DataFiles`); ``None``
             picks by storage (more on object stores).
     """
@@ -74,7 +75,7 @@ class Reader:
         dataset: SlafDataset,
         *,
         batch_rows: int = 1 << 22,
-        direct: bool = True,
+        direct: bool | None = None,
         threads: int | None = None,
     ):
         check_int("batch_rows", batch_rows)
@@ -82,7 +83,7 @@ class Reader:
         self.dataset = dataset
         self.batch_rows = batch_rows
         self.threads = threads
-        self._direct = direct
+        self._direct = direct_by_default(dataset.expression) if direct is None else direct
         self._files: DataFiles | None = None
 
     def data_files(self) -> DataFiles | None:

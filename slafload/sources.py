@@ -101,7 +101,7 @@ class MixedReader:
         datasets: Sequence[SlafDataset],
         *,
         batch_rows: int = 1 << 22,
-        direct: bool = True,
+        direct: bool | None = None,
         threads: int | None = None,
     ):
         self.offsets = offsets
