@@ -116,6 +116,8 @@ def test_the_command_reports_what_it_rewrote(atlas, capsys):
     assert "format     Lance 2.0 (the expression table's data files)\n" in info
     assert main(["optimize", str(atlas), "--no-progress"]) == 0
     assert "nothing to do" in capsys.readouterr().out
+    assert main(["optimize", str(atlas), "--no-progress", "--delete-old-versions"]) == 0
+    assert "already in Lance 2.0; deleted its older versions (0.00 GB)" in capsys.readouterr().out
     assert main(["optimize", str(atlas), "--rows-per-file", "-3", "--no-progress"]) == 2
     assert "rows_per_file must be a positive integer" in capsys.readouterr().err
 
@@ -130,6 +132,16 @@ def test_delete_old_versions_removes_the_previous_version_and_its_files(atlas):
     with pytest.raises(DatasetError, match="version"):
         open_dataset(atlas, version=before.versions["expression"])
     assert_same(want, batches(atlas, ChunkShuffle(chunk_cells=64)))
+
+
+def test_delete_old_versions_after_an_optimize_that_kept_them_removes_them(atlas):
+    data = atlas / "expression.lance" / "data"
+    first = optimize(atlas, progress=False)
+    assert first.changed and len(list(data.iterdir())) == first.data_files[0] + first.data_files[1]
+    again = optimize(atlas, delete_old_versions=True, progress=False)
+    assert not again.changed and again.freed_bytes >= first.bytes[0] > 0
+    assert len(list(data.iterdir())) == first.data_files[1]
+    assert optimize(atlas, delete_old_versions=True, progress=False).freed_bytes == 0
 
 
 def test_an_interrupted_optimize_leaves_the_table_as_it_was(atlas, monkeypatch):

@@ -265,7 +265,12 @@ def _optimize(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     if not r.changed:
-        print(f"{r.uri}: expression table already in Lance {r.storage_versions[0]}; nothing to do")
+        done = (
+            f"; deleted its older versions ({r.freed_bytes / 1e9:.2f} GB)"
+            if args.delete_old_versions
+            else "; nothing to do"
+        )
+        print(f"{r.uri}: expression table already in Lance {r.storage_versions[0]}{done}")
         return 0
     print(
         f"optimized {r.uri}: {r.rows:,} rows, expression version {r.versions[0]} -> "

@@ -114,9 +114,11 @@ def optimize(
     before = _summary(table)
     if before[0] == storage_version and rows_per_file is None:
         logger.info("%s: expression table already in Lance %s", ds.uri, storage_version)
+        # An earlier run may have kept the versions it replaced: delete them if asked.
+        freed = _delete_older(table) if delete_old_versions else 0
         return OptimizeReport(ds.uri, False, ds.n_rows, (table.version,) * 2,
                               (before[0],) * 2, (before[1],) * 2, (before[2],) * 2,
-                              time.perf_counter() - started)  # fmt: skip
+                              time.perf_counter() - started, freed)  # fmt: skip
     kwargs: dict[str, Any] = {"max_rows_per_file": rows_per_file} if rows_per_file else {}
     options = dict(ds.storage_options or {}) or None
     scan = table.scanner(batch_size=_BATCH_ROWS, scan_in_order=True)
@@ -133,14 +135,19 @@ def optimize(
         )
     new = open_dataset(ds.uri, storage_options=storage_options)  # validates the rewrite
     after = _summary(new.expression)
-    freed = 0
-    if delete_old_versions:
-        freed = new.expression.cleanup_old_versions(older_than=timedelta(0)).bytes_removed
+    freed = _delete_older(new.expression) if delete_old_versions else 0
     return OptimizeReport(
         ds.uri, True, ds.n_rows, (table.version, new.expression.version),
         (before[0], after[0]), (before[1], after[1]), (before[2], after[2]),
         time.perf_counter() - started, freed,
     )  # fmt: skip
+
+
+def _delete_older(table: lance.LanceDataset) -> int:
+    """Delete every version of ``table`` older than its pinned one, and their files; bytes
+    freed.
+    """
+    return int(table.cleanup_old_versions(older_than=timedelta(0)).bytes_removed)
 
 
 def file_format(table: lance.LanceDataset) -> str:
