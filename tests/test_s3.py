@@ -108,3 +108,27 @@ def test_optimize_rewrites_a_dataset_on_s3_and_its_tokens_stay_those_of_the_loca
     for a, b in zip(want, got, strict=True):
         for key in a:
             np.testing.assert_array_equal(a[key], b[key])
+
+
+def test_the_benchmark_runs_on_a_dataset_on_s3(tmp_path, s3_endpoint):
+    import json
+
+    from slafload.tools.bench import main
+
+    local = write_dense(tmp_path / "b.slaf", random_counts(120, 30, seed=3), max_rows_per_file=300)
+    uri = upload(local, s3_endpoint, "bench-bucket", "b.slaf")
+    options = {**KEYS, "aws_region": REGION, "aws_endpoint": s3_endpoint, "allow_http": "true"}
+    out = tmp_path / "bench.json"
+    main([
+        "--dataset", uri, "--storage-options", json.dumps(options), "--epochs", "0.5",
+        "--warmup", "0.1", "--repeats", "1", "--no-presets", "--layouts", "",
+        "--consumer-batches", "2", "--batch-size", "8", "--max-genes", "16", "--out", str(out),
+    ])  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["dataset"]["path"] == uri and report["dataset"]["n_cells"] == 120
+    assert report["settings"]["page_cache"] == "not warmed (not a local table)"
+    assert not any(key.startswith("slafdb") for key in report["results"])  # local only
+    for key in ("slafload_geneformer", "slafload_scgpt"):
+        assert report["results"][key]["cells_per_s"] > 0
+    with pytest.raises(SystemExit):
+        main(["--dataset", uri, "--storage-options", "[1]", "--out", str(out)])

@@ -426,6 +426,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         "--genes, --nnz and --plates then do not apply; on a large one, time a fraction of an "
         "epoch: --epochs 0.05 --warmup 0.01)",
     )
+    p.add_argument(
+        "--storage-options",
+        default="{}",
+        help="Lance storage options for a --dataset on an object store, as JSON (e.g. "
+        '\'{"aws_region": "us-east-1"}\'; credentials may come from the environment)',
+    )
     p.add_argument("--cells", type=int, default=50_000)
     p.add_argument("--genes", type=int, default=20_000)
     p.add_argument("--nnz", type=int, default=800, help="mean non-zeros per cell")
@@ -482,8 +488,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
     )
     args = p.parse_args(argv)
 
-    path = Path(args.dataset) if args.dataset else ensure_atlas(args)
-    ds = slafload.open_dataset(path)
+    if args.dataset:  # an object-store URI stays a string (a Path would fold its "//")
+        path: Path | str = args.dataset if "://" in args.dataset else Path(args.dataset)
+    else:
+        path = ensure_atlas(args)
+    options = json.loads(args.storage_options)
+    if not isinstance(options, dict):
+        p.error(f"--storage-options must be a JSON object, got {args.storage_options!r}")
+    ds = slafload.open_dataset(path, storage_options=options or None)
     target = max(1, int(args.epochs * ds.n_cells))
     warmup = int(args.warmup * ds.n_cells)
     until = warmup + target
@@ -530,6 +542,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
             import slaf  # noqa: F401
         except ImportError as exc:
             print(f"skipping slafdb: {exc}", file=sys.stderr)
+            peers = False
+        if peers and isinstance(path, str):
+            print("skipping slafdb: it is timed on local datasets only", file=sys.stderr)
             peers = False
     if peers:
         for tok in ("geneformer", "scgpt"):
