@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         if peers and isinstance(path, str):
             print("skipping slafdb: it is timed on local datasets only", file=sys.stderr)
             peers = False
-    if peers:
+    if peers and isinstance(path, Path):
         for tok in ("geneformer", "scgpt"):
             results[f"slafdb_{tok}"] = timed(
                 f"slafdb {tok}", partial(slafdb_run, path, tok, args, until), args.peer_repeats
