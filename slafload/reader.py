@@ -83,11 +83,15 @@ class Reader:
         self.dataset = dataset
         self.batch_rows = batch_rows
         self.threads = threads
-        self._direct = direct_by_default(dataset.expression) if direct is None else direct
+        self._direct = direct  # None: decided on first use (it lists the data files)
         self._files: DataFiles | None = None
 
     def data_files(self) -> DataFiles | None:
-        """The direct data-file path, looked up on first use; ``None`` where it is not exact."""
+        """The direct data-file path, looked up on first use; ``None`` where it is not exact
+        (or not chosen).
+        """
+        if self._direct is None:
+            self._direct = direct_by_default(self.dataset.expression)
         if self._direct and self._files is None:
             self._files = DataFiles.of(
                 self.dataset.expression,
