@@ -57,6 +57,7 @@ OPTION_SETS: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "io_threads=16": ({}, {"LANCE_IO_THREADS": "16"}),
     "take_scan": ({"read_data_files": False}, {}),
     "direct": ({"read_data_files": True}, {}),  # kept-open file readers, whatever the format
+    "read_ahead=4": ({"read_ahead": 4, "memory_budget": 1 << 30}, {}),
 }
 
 CHILD_ONLY = {"child", "uri", "spec", "settings", "storage_options"}
