@@ -77,12 +77,17 @@ def direct_by_default(expression: lance.LanceDataset) -> bool:
     """
     if not is_remote(expression.uri):
         return True
-    versions = {
+    versions = file_versions(expression)
+    return bool(versions) and max(versions) <= (2, 0)
+
+
+def file_versions(expression: lance.LanceDataset) -> set[tuple[int, int]]:
+    """The Lance file formats ``(major, minor)`` of a pinned table version's data files."""
+    return {
         (f.file_major_version, f.file_minor_version)
         for fragment in expression.get_fragments()
         for f in fragment.metadata.files
     }
-    return bool(versions) and max(versions) <= (2, 0)
 
 
 @dataclass(eq=False)

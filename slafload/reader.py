@@ -48,6 +48,7 @@ T = TypeVar("T")
 _END = object()
 
 COLUMNS = ["cell_integer_id", "gene_integer_id", "value"]
+CHECKED_COLUMNS = ["gene_integer_id", "value"]  # rows already checked: no cell ids
 MAX_GAP_ROWS = 1 << 17  # gaps up to this many rows are scanned through rather than skipped
 MAX_READ_AMPLIFICATION = 32  # ...unless that reads more than this many times the wanted rows
 TAKE_BELOW_ROWS = 512  # spans shorter than this on average are read by row id
@@ -123,7 +124,7 @@ class Reader:
             return
         try:
             if len(rows) == 1:
-                columns = COLUMNS if cell_ids else COLUMNS[1:]
+                columns = COLUMNS if cell_ids else CHECKED_COLUMNS
                 yield from started(self._scan(int(rows[0, 0]), int(rows[0, 1]), columns))
             else:
                 yield from self._read_many(rows)

@@ -281,7 +281,7 @@ def slafload_run(
         seed=0,
         layout=layout,
         token_dtype=args.token_dtype,
-        **{"check_rows": getattr(args, "check_rows", "once"), **settings},
+        **settings,
     ) as loader:
         cells = consume(iter(loader), clock, until, key="cell_integer_id")
     if settings.get("device") is not None and str(settings["device"]).startswith("cuda"):
@@ -506,6 +506,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         return timed_runs(label, run, repeats, warmup=warmup, floor=scan)
 
     def ours_run(tok: str, layout: str = "padded", **settings: Any) -> Callable[[Clock], int]:
+        settings = {"check_rows": args.check_rows, **settings}
         return lambda clock: slafload_run(ds, tok, args, until, clock, layout, **settings)
 
     results: dict[str, Any] = {}

@@ -44,6 +44,7 @@ from typing import Any, Final, Literal, get_args
 import lance
 import pyarrow as pa
 
+from slafload.data_files import file_versions
 from slafload.dataset import open_dataset
 from slafload.tools.progress import progress_bar
 from slafload.tools.writer import write_batches
@@ -155,7 +156,7 @@ def file_format(table: lance.LanceDataset) -> str:
 
     Several, comma-separated, in a table that mixes them.
     """
-    found = {(f.file_major_version, f.file_minor_version) for f in _data_files(table)}
+    found = file_versions(table)
     return ", ".join(f"{major}.{minor}" for major, minor in sorted(found)) or "none"
 
 
