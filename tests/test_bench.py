@@ -48,13 +48,17 @@ def test_the_dataloader_contender_streams_through_worker_processes_and_ends_them
     import multiprocessing
 
     from slafload import open_dataset
-    from slafload.tools.bench import dataloader_run
+    from slafload.tools.bench import Clock, dataloader_run
 
     ds = open_dataset(small_slaf)
     args = argparse.Namespace(batch_size=16, max_genes=8, token_dtype="int64")
     target = 2 * ds.n_cells + 5  # into the third epoch
-    assert dataloader_run(ds, "geneformer", args, target, workers) >= target
+    clock = Clock()
+    assert dataloader_run(ds, "geneformer", args, target, workers, clock) >= target
     assert multiprocessing.active_children() == []  # the workers were shut down
+    # Timed up to the target; the third epoch was then finished untimed, so that no worker
+    # had a batch in flight when it was shut down.
+    assert clock.stopped is not None and target <= clock.cells < target + args.batch_size
 
 
 def test_the_steady_window_starts_once_the_warm_up_cells_are_in():
@@ -68,6 +72,8 @@ def test_the_steady_window_starts_once_the_warm_up_cells_are_in():
     timing = clock.timing()
     assert set(timing) == {"end_to_end", "steady", "first_batch_s"}
     assert clock.first_batch is not None and clock.start <= clock.first_batch <= clock.warm[0]
+    clock.stop()
+    assert clock.timing()["end_to_end"] == clock.timing()["end_to_end"]  # frozen once stopped
 
 
 def test_the_benchmark_runs_on_a_dataset_of_ones_own_for_a_fraction_of_an_epoch(
