@@ -110,3 +110,22 @@ def test_the_raw_scan_counts_whole_epochs_and_the_cells_of_a_remainder(small_sla
     clock = Clock()
     assert raw_floor(ds, 2 * ds.n_cells + 7, clock) == 2 * ds.n_cells + 7
     assert clock.cells == 2 * ds.n_cells + 7
+
+
+def test_device_threads_accounts_the_cpu_of_each_named_thread(small_slaf):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "device_threads.py"
+    spec = importlib.util.spec_from_file_location("device_threads", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = argparse.Namespace(batch_size=8, max_genes=16, warmup=200, cells=20_000)
+    row = module.run(small_slaf, "geneformer", "cpu", args)
+    threads = row["cpu_us_per_cell_by_thread"]
+    assert row["cells_per_s"] > 0 and "MainThread" in threads and "slafload-producer" in threads
+    assert not any(name[-1].isdigit() for name in threads)  # pool threads folded by name
+    # Most of the process's CPU is found thread by thread (10 ms ticks, and threads that
+    # ended inside the window are gone from /proc), none of it twice.
+    assert 0.5 * row["cpu_us_per_cell"] <= sum(threads.values()) <= 1.1 * row["cpu_us_per_cell"]
