@@ -23,6 +23,9 @@ with the same number of workers, sampler, seed and dataset size (checked).
 
 from __future__ import annotations
 
+import atexit
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -109,6 +112,9 @@ class SlafIterableDataset(IterableDataset[Batch]):
         # Not a generator itself: the position moves to the new epoch as soon as iteration
         # starts, so a state taken before this copy's first batch already points there.
         worker, n_workers = _worker()
+        if get_worker_info() is not None:
+            atexit.unregister(join_queue_feeders)  # once per worker process
+            atexit.register(join_queue_feeders)
         run = self._open()
         epoch, skip = self._resume or (self.epoch, 0)
         self._resume = None
@@ -176,6 +182,30 @@ class SlafIterableDataset(IterableDataset[Batch]):
 
     def __len__(self) -> int:
         return self._open().batches_in_epoch(self.epoch)
+
+
+FEEDER_JOIN_S = 2.0  # how long a DataLoader worker's exit waits for its queue feeders
+
+
+def join_queue_feeders(timeout: float = FEEDER_JOIN_S) -> None:
+    """Wait (at most ``timeout`` seconds in all) for this process's multiprocessing queue
+    feeder threads to end; registered with ``atexit`` in every DataLoader worker.
+
+    When a DataLoader ends its workers with batches still in flight (the training loop broke
+    out of an epoch, or dropped the iterator), torch closes each worker's result queue without
+    waiting for it and the worker exits. Its queue's feeder thread, a daemon, may still be
+    pickling a batch's tensors inside torch's C++ code; the interpreter's finalisation then
+    ends that thread there and the worker aborts ("terminate called without an active
+    exception"; the training process sees "DataLoader worker ... is killed by signal:
+    Aborted"). That is torch's race: plain tensors from a bare ``IterableDataset`` reproduce it
+    (docs/distributed.md). ``atexit`` handlers run before the finalisation, and a closed
+    queue's feeder ends once it has written what it holds (a few short messages: the tensors
+    themselves go through shared memory), so the worker waits for it here.
+    """
+    deadline = time.monotonic() + timeout
+    for thread in threading.enumerate():
+        if thread.name == "QueueFeederThread" and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _worker() -> tuple[int, int]:

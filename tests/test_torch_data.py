@@ -199,3 +199,53 @@ def test_a_state_is_refused_by_another_worker_count_or_cell_order(atlas):
         other_sampler.load_state_dict(state)
     with pytest.raises(StateError, match="not a slafload state"):
         ds.load_state_dict({"epoch": 0})
+
+
+class _SlowToPickle:
+    """Pickles in ``seconds``: keeps a queue's feeder thread busy that long."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __reduce__(self):
+        import time
+
+        time.sleep(self.seconds)
+        return (_SlowToPickle, (self.seconds,))
+
+
+def _feeders() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "QueueFeederThread"]
+
+
+def test_a_worker_exit_waits_for_its_queue_feeder_to_finish_pickling():
+    # What a DataLoader worker does on its way out (torch closes its result queue without
+    # joining it): the atexit hook must keep the process alive until the feeder is done.
+    import multiprocessing
+
+    from slafload.torch_data import join_queue_feeders
+
+    queue = multiprocessing.get_context("spawn").Queue()
+    queue.put(_SlowToPickle(0.5))
+    queue.close()
+    assert _feeders()  # still pickling
+    join_queue_feeders(timeout=10)
+    assert not _feeders()
+
+
+def test_waiting_for_queue_feeders_is_bounded():
+    import multiprocessing
+    import time
+
+    from slafload.torch_data import join_queue_feeders
+
+    queue = multiprocessing.get_context("spawn").Queue()
+    queue.put(b"x")  # starts a feeder that waits for more until the queue is closed
+    start = time.monotonic()
+    join_queue_feeders(timeout=0.2)
+    assert 0.1 < time.monotonic() - start < 5 and _feeders()
+    queue.close()
+    queue.join_thread()
+    assert not _feeders()

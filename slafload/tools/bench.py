@@ -329,8 +329,9 @@ def dataloader_run(
                 # The epoch is finished untimed: torch shuts down a worker that still has
                 # batches in flight racily (the worker exits while its queue's feeder thread
                 # pickles a tensor, and aborts: "terminate called without an active
-                # exception"; plain tensors and no slafload reproduce it), so the workers are
-                # stopped only once they have ended their epoch.
+                # exception"; plain tensors and no slafload reproduce it; the dataset's
+                # workers wait for their feeders, torch_data.join_queue_feeders), so the
+                # workers are stopped only once they have ended their epoch.
                 clock.stop()
                 for _ in batches:
                     pass
