@@ -5,8 +5,8 @@ Streams the same cells through ``slafload.Loader`` three ways, in turn: CPU tens
 ``pin_memory``), and to CUDA from pageable memory (``pin_memory=False``: the training thread's
 ``.to()`` then copies synchronously). For each it reports cells/s after a warm-up and the CPU
 time per cell of every thread of the process (Python's thread names where Python owns the
-thread, the kernel's otherwise: ``lance_backgroun`` are Lance's decoding threads), read from
-``/proc/self/task`` (a thread that ends inside the timed window takes its CPU with it: the
+thread, the kernel's otherwise: ``lance_backgroun`` are Lance's decoding threads), from each
+thread's CPU clock (a thread that ends inside the timed window takes its CPU with it: the
 threads' sum can fall short of the process's). Linux only. Without a CUDA device only the CPU-tensor row runs.
 
     python benchmarks/device_threads.py [--dataset PATH] [--tokenizers geneformer,scgpt]
@@ -38,19 +38,27 @@ MODES: dict[str, dict[str, Any]] = {
 
 
 def thread_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds so far of every thread of this process, by thread id, with its name."""
+    """CPU seconds so far of every thread of this process, by thread id, with its name.
+
+    Read from each thread's CPU clock (nanoseconds, Linux's per-thread clock id of a thread
+    id), or, where that is refused, from ``/proc/self/task/<tid>/stat`` (10 ms ticks).
+    """
     names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
     out = {}
     for tid in os.listdir("/proc/self/task"):
+        task = Path("/proc/self/task") / tid
         try:
-            task = Path("/proc/self/task") / tid
             comm = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            try:
+                seconds = time.clock_gettime((~int(tid) << 3) | 6)  # CPUCLOCK_SCHED, per thread
+            except OSError:
+                fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                seconds = (int(fields[11]) + int(fields[12])) / tick
         except OSError:  # the thread ended meanwhile
             continue
         name = names.get(int(tid)) or comm
-        out[int(tid)] = (name.rstrip("0123456789_"), (int(fields[11]) + int(fields[12])) / tick)
+        out[int(tid)] = (name.rstrip("0123456789_"), seconds)
     return out
 
 
@@ -68,8 +76,7 @@ def run(path: Path, tokenizer: str, mode: str, args: argparse.Namespace) -> dict
         bench.consume(batches, clock, args.cells, key="cell_integer_id")
         if mode != "cpu":
             torch.cuda.synchronize()
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        after = thread_cpu()
+        wall, cpu, after = time.perf_counter() - t0, time.process_time() - cpu0, thread_cpu()
     by_thread: dict[str, float] = {}
     for tid, (name, seconds) in after.items():
         spent = seconds - before.get(tid, (name, 0.0))[1]

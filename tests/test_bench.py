@@ -126,6 +126,6 @@ def test_device_threads_accounts_the_cpu_of_each_named_thread(small_slaf):
     threads = row["cpu_us_per_cell_by_thread"]
     assert row["cells_per_s"] > 0 and "MainThread" in threads and "slafload-producer" in threads
     assert not any(name[-1].isdigit() for name in threads)  # pool threads folded by name
-    # Most of the process's CPU is found thread by thread (10 ms ticks, and threads that
-    # ended inside the window are gone from /proc), none of it twice.
+    # The process's CPU is found thread by thread (less any thread that ended inside the
+    # window), none of it twice.
     assert 0.5 * row["cpu_us_per_cell"] <= sum(threads.values()) <= 1.1 * row["cpu_us_per_cell"]
