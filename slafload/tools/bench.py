@@ -112,7 +112,6 @@ class Clock:
         self.cells = 0
         self.first_batch: float | None = None
         self.warm: tuple[float, int] | None = (self.start, 0) if warmup <= 0 else None
-        self.stopped: tuple[float, float] | None = None  # (wall, CPU) when the run ended
 
     def add(self, cells: int) -> None:
         """``cells`` more arrived now."""
@@ -123,14 +122,9 @@ class Clock:
         if self.warm is None and self.cells >= self.warmup:
             self.warm = (now, self.cells)
 
-    def stop(self) -> None:
-        """End the timed window now (a run may then wind down untimed)."""
-        if self.stopped is None:
-            self.stopped = (time.perf_counter(), time.process_time())
-
     def timing(self) -> dict[str, float]:
         """End-to-end and steady (after the warm-up) cells/s, and time to the first batch."""
-        end = self.stopped[0] if self.stopped else time.perf_counter()
+        end = time.perf_counter()
         warm_at, warm_cells = self.warm or (end, self.cells)
         return {
             "end_to_end": self.cells / (end - self.start),
@@ -176,8 +170,7 @@ def timed_runs(
             cpu_start = time.process_time()
             clock = Clock(warmup)
             run(clock)
-            cpu_end = clock.stopped[1] if clock.stopped else time.process_time()
-            timing, cpu_s = clock.timing(), cpu_end - cpu_start
+            timing, cpu_s = clock.timing(), time.process_time() - cpu_start
         steady.append(timing["steady"])
         e2e.append(timing["end_to_end"])
         firsts.append(timing["first_batch_s"])
@@ -324,17 +317,9 @@ def dataloader_run(
     try:
         for epoch in itertools.count():  # one pass of the DataLoader is one epoch
             dataset.set_epoch(epoch)
-            batches = iter(data)
-            if consume(batches, clock, until, key="cell_integer_id") >= until:
-                # The epoch is finished untimed: torch shuts down a worker that still has
-                # batches in flight racily (the worker exits while its queue's feeder thread
-                # pickles a tensor, and aborts: "terminate called without an active
-                # exception"; plain tensors and no slafload reproduce it; the dataset's
-                # workers wait for their feeders, torch_data.join_queue_feeders), so the
-                # workers are stopped only once they have ended their epoch.
-                clock.stop()
-                for _ in batches:
-                    pass
+            # Stopped mid-epoch, with batches in flight: each worker waits for its queue
+            # feeder before it exits (torch_data.join_queue_feeders).
+            if consume(iter(data), clock, until, key="cell_integer_id") >= until:
                 return clock.cells
     finally:
         iterator = getattr(data, "_iterator", None)
