@@ -28,6 +28,8 @@ import numpy.typing as npt
 import polars as pl
 import pyarrow as pa
 
+from slafload.kernels import NUMPY, Kernels
+
 _HUGE = 4 << 20  # numpy advises huge pages for arrays this large (see :func:`fresh`)
 _FREE = 2  # references to a pooled array nobody else holds: the entry's and getrefcount's
 _scratch = threading.local()
@@ -101,10 +103,11 @@ class RowBuffers:
             caller will ask for: a run's small first piece then does not take a slot that
             later pieces cannot use). A free kept array too small for a request is
             replaced by a larger one.
+        kernels: Re-pad reused rows with these (:mod:`slafload.kernels`).
     """
 
-    def __init__(self, keep: int = 4, rows: int = 0):
-        self.keep, self.min_rows = keep, rows
+    def __init__(self, keep: int = 4, rows: int = 0, kernels: Kernels = NUMPY):
+        self.keep, self.min_rows, self.kernels = keep, rows, kernels
         self._pools: dict[tuple, list[_Entry]] = {}
         self._lock = threading.Lock()
 
@@ -134,17 +137,21 @@ class RowBuffers:
                 entry = _Entry(array, np.zeros(capacity, dtype=np.int64))
                 pool.append(entry)
             out = entry.array[:n]
-            _repad(out, entry.ends[:n], ends, pad)
+            _repad(out, entry.ends[:n], ends, pad, self.kernels)
             entry.ends[:n] = ends
             return out
 
 
-def _repad(out: np.ndarray, old: np.ndarray, new: np.ndarray, pad: int | float) -> None:
+def _repad(
+    out: np.ndarray, old: np.ndarray, new: np.ndarray, pad: int | float, kernels: Kernels
+) -> None:
     """Write ``pad`` into ``out[i, new[i]:old[i]]`` wherever the previous rows were longer."""
     flat, width = out.reshape(-1), out.shape[1]
     stale = np.flatnonzero(old > new)
-    for start, stop in zip((stale * width + new[stale]).tolist(),
-                           (stale * width + old[stale]).tolist(), strict=True):  # fmt: skip
+    starts, stops = stale * width + new[stale], stale * width + old[stale]
+    if kernels.run("fill_runs", flat, starts, stops, pad):
+        return
+    for start, stop in zip(starts.tolist(), stops.tolist(), strict=True):
         flat[start:stop] = pad
 
 
@@ -175,7 +182,7 @@ def gather_runs(
 
 def copy_aligned_runs(
     pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_starts: np.ndarray,
-    src_starts: np.ndarray, lengths: np.ndarray,
+    src_starts: np.ndarray, lengths: np.ndarray, kernels: Kernels = NUMPY,
 ) -> None:  # fmt: skip
     """``dst[d : d + n] = src[s : s + n]`` for every ``(dst, src)`` of ``pairs`` (1-D arrays,
     casting) and every ``(d, s, n)``, in one loop over the runs.
@@ -185,8 +192,14 @@ def copy_aligned_runs(
     then read an index per token (measured in docs/benchmarks.md). Aligned streams (scGPT's
     gene ids and value bins, raw's gene ids and values) share their run offsets, so the loop's
     per-run Python cost is paid once, not once per stream. Gathering whole runs into one
-    contiguous array is :func:`gather_runs`' job (native, GIL released).
+    contiguous array is :func:`gather_runs`' job (native, GIL released). With compiled
+    ``kernels`` (one or two pairs), one call copies every run, the GIL released.
     """
+    runs = (dst_starts, src_starts, lengths)
+    if len(pairs) == 1 and kernels.run("copy_runs_1", *pairs[0], *runs):
+        return
+    if len(pairs) == 2 and kernels.run("copy_runs_2", *pairs[0], *pairs[1], *runs):
+        return
     for d, s, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True):
         for dst, src in pairs:
             dst[d : d + n] = src[s : s + n]

@@ -131,6 +131,12 @@ class LoaderConfig:
             that column afterwards (ChunkShuffle and Streaming from the second epoch on:
             about a fifth less decoding). Scattered block reads always carry it. The row
             count of every fetch, gene ids and values are checked on every read either way.
+        kernels: ``"auto"`` (default), ``"numba"`` or ``"numpy"``: whether the token
+            worker's per-cell loops (token rows, re-padding, scGPT bins) run compiled by
+            numba (``pip install slafload[fast]``) or as numpy calls; the tokens are the same.
+            ``"auto"`` uses numba when it imports and compiles in the background, running the
+            numpy code until each kernel is ready; ``"numba"`` requires it and waits for the
+            compiler (see :mod:`slafload.kernels`).
     """
 
     batch_size: int = 32
@@ -153,6 +159,7 @@ class LoaderConfig:
     read_data_files: bool | None = None
     read_threads: int | None = None
     check_rows: str = "once"
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         positive = ("batch_size", "max_genes", "chunk_cells", "piece_cells", "queue_depth")
@@ -174,6 +181,7 @@ class LoaderConfig:
             "token_dtype": ("int64", "int32"),
             "tokenize_on": ("producer", "device"),
             "check_rows": ("once", "always"),
+            "kernels": ("auto", "numba", "numpy"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -39,6 +39,7 @@ import torch
 
 from slafload.buffers import RowBuffers, fresh
 from slafload.config import LoaderConfig
+from slafload.kernels import NUMPY, Kernels
 from slafload.ragged import RAGGED_KEY, Ragged, _builtin, ragged_tokens, unmasked
 from slafload.ranking import PendingRank, start_rank
 from slafload.stage import Stage
@@ -194,6 +195,9 @@ class TokenStage(Protocol):
     ) -> dict[str, torch.Tensor]:
         """The consumer's last step: the batch's tensors, on ``device``."""
 
+    def close(self) -> None:
+        """End any thread of the stage's own (a chain's last stage calls it); reusable after."""
+
 
 @dataclass(frozen=True, eq=False)
 class Tokenized:
@@ -212,12 +216,14 @@ class HostTokens:
     (Polars' threads rank float64 values).
 
     The built-in tokenizers write padded rows into arrays reused from piece to piece once the
-    consumer has released every batch viewing them (:mod:`slafload.buffers`).
+    consumer has released every batch viewing them (:mod:`slafload.buffers`), and run their
+    per-cell loops through ``kernels`` (:mod:`slafload.kernels`; give ``buffers`` the same).
     """
 
     tokenizer: Tokenizer
     layout: Layout
     buffers: RowBuffers = field(default_factory=RowBuffers)
+    kernels: Kernels = NUMPY
 
     def start(self, piece: Chunk) -> Tokenized:
         """Rank and tokenize ``piece`` (on :class:`~slafload.ranking.RankGenes`' worker)."""
@@ -232,10 +238,11 @@ class HostTokens:
     def _tokenize(self, ranked: RankedChunk) -> tuple[Arrays, np.ndarray]:
         dtype = self.layout.token_dtype
         if self.layout.ragged:
-            arrays = self.layout.piece(ragged_tokens(self.tokenizer, ranked, dtype))
+            arrays = self.layout.piece(ragged_tokens(self.tokenizer, ranked, dtype, self.kernels))
         else:
             if _builtin(self.tokenizer) is not None:
-                arrays = dict(self.tokenizer(ranked, buffers=self.buffers))  # type: ignore[call-arg]
+                builtin: Any = self.tokenizer  # takes the per-loader buffers and kernels
+                arrays = dict(builtin(ranked, buffers=self.buffers, kernels=self.kernels))
             else:
                 arrays = dict(self.tokenizer(ranked))
             if dtype != np.int64:
@@ -255,6 +262,10 @@ class HostTokens:
             return dict(batch)
         return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
 
+    def close(self) -> None:
+        """End the kernels' compile thread, if any."""
+        self.kernels.close()
+
 
 def _narrow(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Token rows (2-D ``int64``) in ``dtype``; per-cell arrays unchanged."""
@@ -268,7 +279,10 @@ def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig) -> TokenStage:
         from slafload.device_tokenize import DeviceTokens
 
         return DeviceTokens(tokenizer, layout)
-    return HostTokens(tokenizer, layout, RowBuffers(rows=config.piece_cells))
+    kernels = Kernels(config.kernels)
+    return HostTokens(
+        tokenizer, layout, RowBuffers(rows=config.piece_cells, kernels=kernels), kernels
+    )
 
 
 class LayOut(Stage[dict[str, np.ndarray]]):
@@ -280,3 +294,10 @@ class LayOut(Stage[dict[str, np.ndarray]]):
 
     def __next__(self) -> dict[str, np.ndarray]:
         return self.tokens.finish(next(self.source))
+
+    def close(self) -> None:
+        """Close the stages before, then end the token stage's own threads (the token worker
+        has stopped by then, so nothing starts a new one).
+        """
+        super().close()
+        self.tokens.close()

@@ -20,6 +20,7 @@ import numpy as np
 
 from slafload.buffers import fresh
 from slafload.errors import LayoutError
+from slafload.kernels import NUMPY, Kernels
 from slafload.tokenizers import CLS, SEP, Geneformer, Raw, ScGPT, Tokenizer
 from slafload.tokenizers.builtin import copy_cell_tokens, gene_tokens
 from slafload.types import RankedChunk
@@ -69,12 +70,15 @@ class Ragged:
         return Ragged(offsets, streams)
 
 
-def ragged_tokens(tokenizer: Tokenizer, ranked: RankedChunk, dtype: np.dtype) -> dict:
+def ragged_tokens(
+    tokenizer: Tokenizer, ranked: RankedChunk, dtype: np.dtype, kernels: Kernels = NUMPY
+) -> dict:
     """``tokenizer``'s output for ``ranked`` with its token rows as one :class:`Ragged`.
 
     Returns a dict of row-aligned arrays whose token streams sit in a ``Ragged`` under
     :data:`RAGGED_KEY`; per-cell arrays (e.g. raw's ``lengths``) stay as they are. Integer
-    token streams have ``dtype``.
+    token streams have ``dtype``. The built-ins copy tokens with ``kernels``
+    (:mod:`slafload.kernels`).
 
     Raises:
         LayoutError: a third-party tokenizer's output has no ``attention_mask`` to tell its
@@ -82,11 +86,11 @@ def ragged_tokens(tokenizer: Tokenizer, ranked: RankedChunk, dtype: np.dtype) ->
     """
     kind = _builtin(tokenizer)
     if kind is Geneformer:
-        return _geneformer(cast(Geneformer, tokenizer), ranked, dtype)
+        return _geneformer(cast(Geneformer, tokenizer), ranked, dtype, kernels)
     if kind is ScGPT:
-        return _scgpt(cast(ScGPT, tokenizer), ranked, dtype)
+        return _scgpt(cast(ScGPT, tokenizer), ranked, dtype, kernels)
     if kind is Raw:
-        return _raw(cast(Raw, tokenizer), ranked, dtype)
+        return _raw(cast(Raw, tokenizer), ranked, dtype, kernels)
     return strip(dict(tokenizer(ranked)), dtype, name=tokenizer.name)
 
 
@@ -110,7 +114,7 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 
 def _sentences(
     ranked: RankedChunk, limit: int, width: int, dtype: np.dtype,
-    aligned: Sequence[tuple[np.dtype, np.ndarray]] = (),
+    aligned: Sequence[tuple[np.dtype, np.ndarray]] = (), kernels: Kernels = NUMPY,
 ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:  # fmt: skip
     """Offsets and ids of ``[CLS] g1..gk [SEP]`` rows (``SEP`` only where it fits in
     ``width``), ``k <= limit``, and one zero-padded stream per ``(dtype, source)`` of
@@ -124,30 +128,31 @@ def _sentences(
     ids[starts] = CLS
     streams = [fresh(int(offsets[-1]), t, 0) for t, _ in aligned]
     pairs = [(ids, gene_tokens(ranked)), *zip(streams, (a for _, a in aligned), strict=True)]
-    copy_cell_tokens(pairs, ranked, starts + 1, limit)
+    copy_cell_tokens(pairs, ranked, starts + 1, limit, kernels)
     ids[(starts + 1 + kept)[sep]] = SEP
     return offsets, ids, streams
 
 
-def _geneformer(tok: Geneformer, ranked: RankedChunk, dtype: np.dtype) -> dict:
-    offsets, ids, _ = _sentences(ranked, tok.max_genes - 1, tok.max_genes, dtype)
+def _geneformer(tok: Geneformer, ranked: RankedChunk, dtype: np.dtype, kernels: Kernels) -> dict:
+    offsets, ids, _ = _sentences(ranked, tok.max_genes - 1, tok.max_genes, dtype, (), kernels)
     return {RAGGED_KEY: Ragged(offsets, {"input_ids": ids})}
 
 
-def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype) -> dict:
-    aligned = [(dtype, tok.value_tokens(ranked))]
-    offsets, ids, (values,) = _sentences(ranked, tok.max_genes, tok.max_genes + 2, dtype, aligned)
+def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype, kernels: Kernels) -> dict:
+    aligned = [(dtype, tok.value_tokens(ranked, kernels))]
+    width = tok.max_genes + 2
+    offsets, ids, (values,) = _sentences(ranked, tok.max_genes, width, dtype, aligned, kernels)
     streams = {"input_ids": ids, "values": values}
     return {RAGGED_KEY: Ragged(offsets, streams)}
 
 
-def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype) -> dict:
+def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype, kernels: Kernels) -> dict:
     lengths = ranked.output_lengths(tok.max_genes)
     offsets = _offsets(lengths)
     genes = fresh(int(offsets[-1]), dtype)
     values = fresh(int(offsets[-1]), np.float32)
     pairs = [(genes, ranked.genes), (values, ranked.values)]
-    copy_cell_tokens(pairs, ranked, offsets[:-1], tok.max_genes)
+    copy_cell_tokens(pairs, ranked, offsets[:-1], tok.max_genes, kernels)
     streams = {"gene_ids": genes, "values": values}
     return {RAGGED_KEY: Ragged(offsets, streams), "lengths": lengths}
 

@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 from slafload._validate import check_int
 from slafload.buffers import RowBuffers, copy_aligned_runs, fresh, scratch
+from slafload.kernels import NUMPY, Kernels
 from slafload.types import RankedChunk, Tokenizer
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
@@ -58,7 +59,7 @@ def _padded(
 
 def _fill_rows(
     out: np.ndarray, src: np.ndarray, ranked: RankedChunk, limit: int, first_col: int,
-    *aligned: tuple[np.ndarray, np.ndarray],
+    *aligned: tuple[np.ndarray, np.ndarray], kernels: Kernels = NUMPY,
 ) -> None:  # fmt: skip
     """Each read-order cell's first ``limit`` entries of ``src`` into its output row of
     ``out`` from column ``first_col``; ``aligned`` are more ``(out, src)`` pairs of the same
@@ -66,12 +67,12 @@ def _fill_rows(
     """
     dst = np.arange(ranked.n_cells, dtype=np.int64) * out.shape[1] + first_col
     pairs = [(out.reshape(-1), src), *((o.reshape(-1), s) for o, s in aligned)]
-    copy_cell_tokens(pairs, ranked, dst, limit)
+    copy_cell_tokens(pairs, ranked, dst, limit, kernels)
 
 
 def copy_cell_tokens(
     pairs: Sequence[tuple[np.ndarray, np.ndarray]], ranked: RankedChunk, dst: np.ndarray,
-    limit: int,
+    limit: int, kernels: Kernels = NUMPY,
 ) -> None:  # fmt: skip
     """Each cell's first ``limit`` entries of every ``(out, src)`` pair (1-D, ``src``
     aligned with ``ranked.genes``) into ``out`` from ``dst[row]``, ``row`` its output row.
@@ -81,7 +82,7 @@ def copy_cell_tokens(
     """
     cells = ranked.order
     src, counts = ranked.indptr[cells], np.minimum(ranked.lengths[cells], limit)
-    copy_aligned_runs(pairs, dst, src, counts)
+    copy_aligned_runs(pairs, dst, src, counts, kernels)
 
 
 def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarray:
@@ -120,16 +121,18 @@ class Geneformer:
         self.max_genes = max_genes
 
     def __call__(
-        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None
+        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None, kernels: Kernels = NUMPY
     ) -> dict[str, np.ndarray]:
-        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`)."""
+        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`),
+        ``kernels`` may copy the tokens (:mod:`slafload.kernels`).
+        """
         width = self.max_genes
         sep = ranked.output_lengths(width - 1) + 1  # column of SEP, where it fits
         fits = np.flatnonzero(sep < width)
         ends = np.minimum(sep + 1, width)
         ids = _padded(buffers, "input_ids", ends, width, np.int64, PAD)
         ids[:, 0] = CLS
-        _fill_rows(ids, gene_tokens(ranked), ranked, width - 1, first_col=1)
+        _fill_rows(ids, gene_tokens(ranked), ranked, width - 1, first_col=1, kernels=kernels)
         ids[fits, sep[fits]] = SEP
         return {"input_ids": ids, "attention_mask": _mask(buffers, ends, width)}
 
@@ -155,7 +158,7 @@ class ScGPT:
         """``int64`` bin of every entry of ``ranked`` (before ``value_offset``)."""
         return quantile_bins(ranked, self.n_bins)
 
-    def value_tokens(self, ranked: RankedChunk) -> np.ndarray:
+    def value_tokens(self, ranked: RankedChunk, kernels: Kernels = NUMPY) -> np.ndarray:
         """``bins(ranked) + value_offset``, in one pass when the bins are the built-in ones
         (then in the narrowest integer type that holds every token, in this thread's scratch:
         copy them out at once).
@@ -164,20 +167,23 @@ class ScGPT:
             top = self.n_bins - 1 + self.value_offset
             dtype = np.min_scalar_type(top) if self.value_offset >= 0 else np.int64
             out = scratch("value_tokens", len(ranked.values), dtype)
-            return quantile_bins(ranked, self.n_bins, self.value_offset, dtype, out)
+            return quantile_bins(ranked, self.n_bins, self.value_offset, dtype, out, kernels)
         return np.add(self.bins(ranked), self.value_offset, dtype=np.int64)
 
     def __call__(
-        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None
+        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None, kernels: Kernels = NUMPY
     ) -> dict[str, np.ndarray]:
-        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`)."""
+        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`),
+        ``kernels`` may bin and copy the tokens (:mod:`slafload.kernels`).
+        """
         width, limit = self.max_genes + 2, self.max_genes
         sep = ranked.output_lengths(limit) + 1  # SEP always fits
         ids = _padded(buffers, "input_ids", sep + 1, width, np.int64, PAD)
         values = _padded(buffers, "values", sep, width, np.int64, PAD)
         ids[:, 0], values[:, 0] = CLS, PAD
         tokens = gene_tokens(ranked)
-        _fill_rows(ids, tokens, ranked, limit, 1, (values, self.value_tokens(ranked)))
+        value_tokens = self.value_tokens(ranked, kernels)
+        _fill_rows(ids, tokens, ranked, limit, 1, (values, value_tokens), kernels=kernels)
         ids[np.arange(ranked.n_cells), sep] = SEP
         return {"input_ids": ids, "attention_mask": _mask(buffers, sep + 1, width),
                 "values": values}  # fmt: skip
@@ -193,20 +199,23 @@ class Raw:
         self.max_genes = max_genes
 
     def __call__(
-        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None
+        self, ranked: RankedChunk, *, buffers: RowBuffers | None = None, kernels: Kernels = NUMPY
     ) -> dict[str, np.ndarray]:
-        """Padded rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`)."""
+        """Padded rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`),
+        ``kernels`` may copy them (:mod:`slafload.kernels`).
+        """
         width = self.max_genes
         lengths = ranked.output_lengths(width)
         gene_ids = _padded(buffers, "gene_ids", lengths, width, np.int64, -1)
         values = _padded(buffers, "values", lengths, width, np.float32, 0)
-        _fill_rows(gene_ids, ranked.genes, ranked, width, 0, (values, ranked.values))
+        _fill_rows(gene_ids, ranked.genes, ranked, width, 0, (values, ranked.values),
+                   kernels=kernels)  # fmt: skip
         return {"gene_ids": gene_ids, "values": values, "lengths": lengths}
 
 
 def quantile_bins(
     ranked: RankedChunk, n_bins: int, offset: int = 0, dtype: npt.DTypeLike = np.int64,
-    out: np.ndarray | None = None,
+    out: np.ndarray | None = None, kernels: Kernels = NUMPY,
 ) -> np.ndarray:  # fmt: skip
     """scGPT's per-cell binning of every entry: ``np.digitize(x, np.quantile(nz, q))``.
 
@@ -223,9 +232,12 @@ def quantile_bins(
     stays small enough to be reused from the allocator's free lists (in the loader, the
     chunk-wide temporaries were returned to the kernel and faulted in again on every piece)
     and to stay in cache; ``out``, when given, receives the bins (``m`` entries of ``dtype``).
+    Compiled ``kernels`` bin every cell in one call instead, with the GIL released.
     """
     values, indptr = ranked.values, ranked.indptr
     out = np.empty(len(values), dtype=dtype) if out is None else out
+    if kernels.run("quantile_bins", values, indptr, n_bins, offset, out):
+        return out
     n_cells = len(indptr) - 1
     for first in range(0, n_cells, BIN_BLOCK_CELLS):
         last = min(first + BIN_BLOCK_CELLS, n_cells)

@@ -1,0 +1,212 @@
+"""Compiled versions of the token worker's per-cell loops (optional: numba), numpy otherwise.
+
+The token worker (:class:`~slafload.ranking.RankGenes`) bounds scGPT on a small machine, and
+three of its steps are loops over a piece's cells that numpy can only run as one call per cell
+(or per block of cells), holding the GIL between calls: copying each cell's tokens into its
+output row (:func:`~slafload.buffers.copy_aligned_runs`), re-padding reused rows
+(:meth:`~slafload.buffers.RowBuffers.rows`) and scGPT's per-cell quantile bins
+(:func:`~slafload.tokenizers.quantile_bins`). With `numba <https://numba.pydata.org>`_
+installed (``pip install slafload[fast]``), :class:`Kernels` runs each as one compiled call per
+piece that releases the GIL for its whole duration; the numpy code stays the reference, and
+the tokens are identical either way (tests compare both on the same data).
+
+Compiling costs 0.2-1 s per kernel and argument types the first time a process uses it (less
+once numba's on-disk cache holds it). A loader's kernels compile on a background thread of
+their own, and each call runs the numpy code until its compiled version is ready, so the first
+batch never waits for a compiler (``backend="numba"`` waits instead: every call is compiled,
+which tests use). ``LoaderConfig.kernels`` picks the backend; ``"auto"`` (the default) uses
+numba when it imports.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+BACKENDS = ("auto", "numba", "numpy")
+_IMPORT = ("import",)  # the compile thread's first job: importing numba
+
+
+def numba_available() -> bool:
+    """Whether numba is installed here (found, not imported: importing it takes ~0.15 s)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+class Kernels:
+    """One loader's compiled kernels: :meth:`run` calls one if it is ready.
+
+    Args:
+        backend: ``"auto"`` (numba when it is installed, imported and each kernel compiled
+            in the background, the numpy code used until then), ``"numba"`` (required; a
+            call waits for numba and its kernel) or ``"numpy"`` (never compile).
+
+    Raises:
+        ImportError: ``backend="numba"`` without numba installed.
+    """
+
+    def __init__(self, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"kernels must be one of {BACKENDS}, got {backend!r}")
+        if backend == "numba" and not numba_available():
+            raise ImportError("kernels='numba' needs numba: pip install 'slafload[fast]'")
+        self.requested = backend
+        self.backend = "numba" if backend != "numpy" and numba_available() else "numpy"
+        self._ready: dict[tuple, Any] = {}  # ("import",) -> numba; kernel key -> dispatcher
+        self._jobs: dict[tuple, Future[Any]] = {}
+        self._failed: set[tuple] = set()
+        self._lock = threading.Lock()
+        self._compiler: ThreadPoolExecutor | None = None
+
+    def run(self, name: str, *args: Any) -> bool:
+        """Run kernel ``name`` on ``args`` and return ``True``; ``False`` if it did not run
+        (numpy backend, or numba still loading or compiling for these argument types): the
+        caller then runs its numpy code.
+        """
+        if self.backend == "numpy" or any(getattr(a, "dtype", None) == np.float16 for a in args):
+            return False  # numba has no float16 arithmetic
+        numba = self._ready.get(_IMPORT) or self._background(_IMPORT, _import_numba)
+        if numba is None:
+            return False
+        key = (name, *(numba.typeof(a) for a in args))
+        kernel = self._ready.get(key) or self._background(key, _compile, key)
+        if kernel is None:
+            return False
+        kernel(*args)
+        return True
+
+    def _background(self, key: tuple, job: Callable[..., Any], *args: Any) -> Any:
+        """``job(*args)``'s result once the compile thread has run it (it is started on the
+        first request); ``None`` until then, or for good if it failed (with a warning).
+        With ``backend="numba"``, waits for it and raises its failure.
+        """
+        with self._lock:
+            if key in self._failed:
+                return None
+            future = self._jobs.get(key)
+            if future is None:
+                if self._compiler is None:
+                    self._compiler = ThreadPoolExecutor(1, thread_name_prefix="slafload-jit")
+                future = self._jobs[key] = self._compiler.submit(job, *args)
+        if self.requested != "numba" and not future.done():
+            return None
+        try:
+            result = future.result()
+        except Exception as exc:
+            if self.requested == "numba":
+                raise
+            with self._lock:
+                self._failed.add(key)
+            what = "import" if key is _IMPORT else f"compile {key[0]}"
+            warnings.warn(
+                f"slafload: numba could not {what} ({exc}); using numpy instead",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        self._ready[key] = result
+        return result
+
+    def close(self) -> None:
+        """End the compile thread (waits for a compile in progress). Idempotent; what was
+        compiled stays usable, and a later call starts a new thread if it needs one.
+        """
+        with self._lock:
+            compiler, self._compiler = self._compiler, None
+            self._jobs = {k: f for k, f in self._jobs.items() if f.done()}
+        if compiler is not None:
+            compiler.shutdown(wait=True, cancel_futures=True)
+
+
+NUMPY = Kernels("numpy")
+"""Kernels that never compile: the numpy code everywhere (the default of every function)."""
+
+
+def _import_numba() -> Any:
+    import numba
+
+    return numba
+
+
+def _compile(key: tuple) -> Any:
+    """The numba dispatcher of kernel ``key[0]``, compiled for argument types ``key[1:]``."""
+    import numba
+
+    jit: Any = numba.njit(nogil=True, cache=True)
+    dispatcher = jit(_KERNELS[key[0]])
+    dispatcher.compile(key[1:])
+    return dispatcher
+
+
+# The kernels, as plain Python over arrays (numba compiles them; they are never run as
+# Python). Each does what the numpy function named in its docstring does.
+
+
+def _copy_runs_1(out: np.ndarray, src: np.ndarray, dst: np.ndarray, start: np.ndarray,
+                 count: np.ndarray) -> None:  # fmt: skip
+    """:func:`~slafload.buffers.copy_aligned_runs` for one ``(out, src)`` pair."""
+    for r in range(len(dst)):
+        d, s = dst[r], start[r]
+        for k in range(count[r]):
+            out[d + k] = src[s + k]
+
+
+def _copy_runs_2(out: np.ndarray, src: np.ndarray, out2: np.ndarray, src2: np.ndarray,
+                 dst: np.ndarray, start: np.ndarray, count: np.ndarray) -> None:  # fmt: skip
+    """:func:`~slafload.buffers.copy_aligned_runs` for two aligned ``(out, src)`` pairs."""
+    for r in range(len(dst)):
+        d, s = dst[r], start[r]
+        for k in range(count[r]):
+            out[d + k] = src[s + k]
+        for k in range(count[r]):
+            out2[d + k] = src2[s + k]
+
+
+def _fill_runs(flat: np.ndarray, start: np.ndarray, stop: np.ndarray, pad: Any) -> None:
+    """``flat[start[i]:stop[i]] = pad`` for every ``i`` (``RowBuffers``' re-pad)."""
+    for i in range(len(start)):
+        for k in range(start[i], stop[i]):
+            flat[k] = pad
+
+
+def _quantile_bins(values: np.ndarray, indptr: np.ndarray, n_bins: int, offset: int,
+                   out: np.ndarray) -> None:  # fmt: skip
+    """:func:`~slafload.tokenizers.quantile_bins` of every cell (values in rank order).
+
+    Per cell: its ``n_bins - 1`` edges by numpy's linear quantile interpolation of the
+    ascending values (``ascending[a] = values[stop - 1 - a]``), then one walk down the
+    descending values, the bin (number of edges ``<=`` the value) never increasing.
+    """
+    q = np.linspace(0.0, 1.0, n_bins - 1)
+    edges = np.empty(n_bins - 1)
+    for c in range(len(indptr) - 1):
+        start, stop = indptr[c], indptr[c + 1]
+        n = stop - start
+        if n == 0:
+            continue
+        for j in range(n_bins - 1):
+            virtual = (n - 1) * q[j]
+            floor = np.floor(virtual)
+            prev = min(int(floor), n - 1)
+            nxt = min(prev + 1, n - 1)
+            lo, hi = values[stop - 1 - prev], values[stop - 1 - nxt]
+            t, diff = virtual - floor, hi - lo  # the difference in the values' type, as numpy
+            edges[j] = hi - diff * (1 - t) if t >= 0.5 else lo + diff * t  # numpy's _lerp
+        k = n_bins - 1
+        for i in range(start, stop):
+            while k > 0 and edges[k - 1] > values[i]:
+                k -= 1
+            out[i] = k + offset
+
+
+_KERNELS = {
+    "copy_runs_1": _copy_runs_1,
+    "copy_runs_2": _copy_runs_2,
+    "fill_runs": _fill_runs,
+    "quantile_bins": _quantile_bins,
+}

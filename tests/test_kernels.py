@@ -1,0 +1,194 @@
+"""Compiled kernels (numba) give the numpy code's results, in the loader and alone."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import slafload
+import slafload.kernels
+from slafload.buffers import RowBuffers, copy_aligned_runs
+from slafload.kernels import Kernels, numba_available
+from slafload.tokenizers import quantile_bins
+from slafload.types import RankedChunk
+
+needs_numba = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+
+
+def ranked_values(dtype, seed: int, n_cells: int = 300) -> RankedChunk:
+    """A piece of cells whose values are in rank order (descending), with empty cells,
+    single-value cells, all-equal cells and many ties."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 60, n_cells)
+    lengths[::17] = 0
+    lengths[1::19] = 1
+    cells = []
+    for i, n in enumerate(lengths):
+        if np.dtype(dtype).kind == "f":
+            v = np.round(rng.lognormal(0, 1.2, n), 1) + 0.1
+        else:
+            v = rng.integers(1, 40 if i % 2 else 3, n)
+        if i % 23 == 5:
+            v[:] = v[0] if n else v
+        cells.append(np.sort(v.astype(dtype))[::-1])
+    values = np.concatenate(cells)
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    genes = np.arange(len(values), dtype=np.uint16) % 1000
+    ids = np.arange(n_cells, dtype=np.int64)
+    return RankedChunk(0, ids, indptr, genes, values, rng.permutation(n_cells))
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [np.uint16, np.uint32, np.int64, np.float32, np.float64])
+@pytest.mark.parametrize(("n_bins", "offset", "out_dtype"), [(3, 0, np.int64), (11, 7, np.uint8),
+                                                             (51, 50_000, np.uint16)])  # fmt: skip
+def test_compiled_quantile_bins_equal_numpy(dtype, n_bins, offset, out_dtype):
+    ranked = ranked_values(dtype, seed=n_bins)
+    want = quantile_bins(ranked, n_bins, offset, out_dtype)
+    out = np.full(len(ranked.values), 255, dtype=out_dtype)
+    got = quantile_bins(ranked, n_bins, offset, out_dtype, out, Kernels("numba"))
+    assert got is out
+    np.testing.assert_array_equal(got, want)
+
+
+@needs_numba
+@pytest.mark.parametrize("n_pairs", [1, 2, 3])
+def test_compiled_run_copies_equal_numpy(n_pairs):
+    rng = np.random.default_rng(n_pairs)
+    sources = [rng.integers(0, 60_000, 5_000).astype(np.uint16),
+               rng.random(5_000).astype(np.float32), np.arange(5_000)]  # fmt: skip
+    counts = rng.integers(0, 40, 100)
+    src = rng.integers(0, 5_000 - 40, 100)
+    dst = np.arange(100, dtype=np.int64) * 50 + 1
+
+    def copied(kernels):
+        outs = [np.full(5_000, -1, np.int64), np.zeros(5_000, np.float32), np.zeros(5_000)]
+        pairs = list(zip(outs, sources, strict=True))[:n_pairs]
+        copy_aligned_runs(pairs, dst, src, counts, kernels)
+        return outs
+
+    for got, want in zip(copied(Kernels("numba")), copied(Kernels("numpy")), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@needs_numba
+@pytest.mark.parametrize(("dtype", "pad"), [(np.int64, 0), (np.int64, -1), (np.float32, 0),
+                                            (bool, False)])  # fmt: skip
+def test_compiled_repad_restores_padding_of_reused_rows(dtype, pad):
+    rng = np.random.default_rng(0)
+    buffers = RowBuffers(keep=1, kernels=Kernels("numba"))
+    for _ in range(4):
+        ends = rng.integers(0, 30, 40)
+        rows = buffers.rows("x", ends, 30, np.dtype(dtype), pad)
+        mask = np.arange(30)[None, :] < ends[:, None]
+        assert (rows[~mask] == pad).all()
+        rows[mask] = not pad if dtype is bool else 7  # write every token, as a tokenizer does
+        del rows
+
+
+@needs_numba
+def test_auto_compiles_in_the_background_and_close_joins_the_thread():
+    ranked = ranked_values(np.float32, seed=3)
+    want = quantile_bins(ranked, 51)
+    kernels = Kernels("auto")
+    assert kernels.backend == "numba"
+    ran, deadline = False, time.monotonic() + 120
+    while not ran and time.monotonic() < deadline:
+        out = np.zeros(len(ranked.values), np.int64)
+        ran = kernels.run("quantile_bins", ranked.values, ranked.indptr, 51, 0, out)
+        if ran:
+            np.testing.assert_array_equal(out, want)
+        else:
+            assert not out.any()  # not touched: the caller runs numpy
+            time.sleep(0.01)
+    assert ran
+    kernels.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("slafload-jit")]
+    out = np.zeros(len(ranked.values), np.int64)  # what was compiled outlives the thread
+    assert kernels.run("quantile_bins", ranked.values, ranked.indptr, 51, 0, out)
+    assert not [t for t in threading.enumerate() if t.name.startswith("slafload-jit")]
+    np.testing.assert_array_equal(out, want)
+
+
+@needs_numba
+def test_a_kernel_that_fails_to_compile_warns_once_and_leaves_numpy_to_it():
+    kernels = Kernels("auto")
+    args = (np.zeros(3), np.zeros(3), np.zeros(1, np.int64), np.zeros(1, np.int64),
+            np.zeros(1, np.int64))  # fmt: skip
+    with pytest.warns(RuntimeWarning, match="could not compile no_such_kernel"):
+        deadline = time.monotonic() + 120
+        while kernels._background(("no_such_kernel",), slafload.kernels._compile,
+                                  ("no_such_kernel",)) is None and time.monotonic() < deadline:  # fmt: skip
+            if ("no_such_kernel",) in kernels._failed:
+                break
+            time.sleep(0.01)
+    assert ("no_such_kernel",) in kernels._failed
+    assert not kernels.run("no_such_kernel", *args)  # no second warning (filterwarnings=error)
+    kernels.close()
+    strict = Kernels("numba")
+    with pytest.raises(KeyError):
+        strict.run("no_such_kernel", *args)
+    strict.close()
+
+
+def test_numpy_backend_and_float16_never_compile():
+    kernels = Kernels("numpy")
+    values = np.array([3, 2, 1], np.float32)
+    assert not kernels.run("quantile_bins", values, np.array([0, 3]), 5, 0, np.zeros(3))
+    assert not Kernels("auto").run("quantile_bins", values.astype(np.float16),
+                                   np.array([0, 3]), 5, 0, np.zeros(3))  # fmt: skip
+    assert not [t for t in threading.enumerate() if t.name.startswith("slafload-jit")]
+
+
+def test_kernels_setting_is_validated(monkeypatch):
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        slafload.LoaderConfig(kernels="cython")
+    monkeypatch.setattr(slafload.kernels, "numba_available", lambda: False)
+    with pytest.raises(ImportError, match="slafload\\[fast\\]"):
+        Kernels("numba")
+    assert Kernels("auto").backend == "numpy"
+
+
+@pytest.fixture(scope="module")
+def atlas(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kernels") / "atlas.slaf"
+    slafload.synthetic.write_atlas(path, n_cells=1_500, n_genes=800, n_plates=3, seed=2)
+    return slafload.open_dataset(path)
+
+
+def batches(ds, tokenizer: str, layout: str, kernels: str) -> list[dict]:
+    opts = dict(batch_size=48, max_genes=96, seed=4, n_epochs=2, piece_cells=256,
+                chunk_cells=512, layout=layout, kernels=kernels)  # fmt: skip
+    with slafload.Loader(ds, tokenizer=tokenizer, **opts) as loader:
+        return [{k: v.clone() for k, v in b.items()} for b in loader]
+
+
+@needs_numba
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("tokenizer", ["geneformer", "scgpt", "raw"])
+def test_loader_tokens_are_the_same_with_compiled_kernels(
+    atlas, tokenizer, layout, monkeypatch, no_thread_leak
+):
+    compiled = []
+    compile_ = slafload.kernels._compile
+
+    def spy(key):
+        compiled.append(key[0])
+        return compile_(key)
+
+    monkeypatch.setattr(slafload.kernels, "_compile", spy)
+    want = batches(atlas, tokenizer, layout, "numpy")
+    assert not compiled
+    got = batches(atlas, tokenizer, layout, "numba")
+    expected = {"copy_runs_1" if tokenizer == "geneformer" else "copy_runs_2"}
+    expected |= {"quantile_bins"} if tokenizer == "scgpt" else set()
+    expected |= {"fill_runs"} if layout == "padded" else set()
+    assert expected <= set(compiled)
+    assert len(got) == len(want) == 2 * -(-1_500 // 48)
+    for a, b in zip(got, want, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key].dtype == b[key].dtype and a[key].equal(b[key]), key
