@@ -144,34 +144,38 @@ def _compile(key: tuple) -> Any:
 
 
 # The kernels, as plain Python over arrays (numba compiles them; they are never run as
-# Python). Each does what the numpy function named in its docstring does.
+# Python). Each does what the numpy function named in its docstring does. Each run is copied
+# between two slice views indexed from 0: LLVM vectorizes that loop, and not one indexing the
+# whole arrays at ``d + k`` and ``s + k`` (0.26 against 1.9 ms for a piece's 2,048 runs).
 
 
 def _copy_runs_1(out: np.ndarray, src: np.ndarray, dst: np.ndarray, start: np.ndarray,
                  count: np.ndarray) -> None:  # fmt: skip
     """:func:`~slafload.buffers.copy_aligned_runs` for one ``(out, src)`` pair."""
     for r in range(len(dst)):
-        d, s = dst[r], start[r]
-        for k in range(count[r]):
-            out[d + k] = src[s + k]
+        o, i = out[dst[r] : dst[r] + count[r]], src[start[r] : start[r] + count[r]]
+        for k in range(min(len(o), len(i))):  # equal; min keeps a bad run inside both
+            o[k] = i[k]
 
 
 def _copy_runs_2(out: np.ndarray, src: np.ndarray, out2: np.ndarray, src2: np.ndarray,
                  dst: np.ndarray, start: np.ndarray, count: np.ndarray) -> None:  # fmt: skip
     """:func:`~slafload.buffers.copy_aligned_runs` for two aligned ``(out, src)`` pairs."""
     for r in range(len(dst)):
-        d, s = dst[r], start[r]
-        for k in range(count[r]):
-            out[d + k] = src[s + k]
-        for k in range(count[r]):
-            out2[d + k] = src2[s + k]
+        o, i = out[dst[r] : dst[r] + count[r]], src[start[r] : start[r] + count[r]]
+        for k in range(min(len(o), len(i))):
+            o[k] = i[k]
+        o2, i2 = out2[dst[r] : dst[r] + count[r]], src2[start[r] : start[r] + count[r]]
+        for k in range(min(len(o2), len(i2))):
+            o2[k] = i2[k]
 
 
 def _fill_runs(flat: np.ndarray, start: np.ndarray, stop: np.ndarray, pad: Any) -> None:
     """``flat[start[i]:stop[i]] = pad`` for every ``i`` (``RowBuffers``' re-pad)."""
     for i in range(len(start)):
-        for k in range(start[i], stop[i]):
-            flat[k] = pad
+        run = flat[start[i] : stop[i]]
+        for k in range(len(run)):
+            run[k] = pad
 
 
 def _quantile_bins(values: np.ndarray, indptr: np.ndarray, n_bins: int, offset: int,
