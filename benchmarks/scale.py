@@ -5,7 +5,8 @@ and nothing one contender leaves behind (threads, caches, heap) disturbs the nex
 opens the dataset, builds a :class:`slafload.Loader`, and reports
 
 * ``first_batch_s``: from the start of ``Loader(...)`` (which opens the dataset) to the first
-  batch in hand (imports, torch's ~1 s included, are done before: a training script has);
+  batch in hand (imports, torch's ~1 s included, are done before: a training script has; so
+  is numba's start-up, :func:`slafload.kernels.warm_up`, where numba kernels are in use);
 * ``cells_per_s``: steady state, after a warm-up of one fetch's worth of cells, over at least
   ``--fetches`` fetches' worth of cells and ``--min-cells`` cells, or ``--seconds`` seconds,
   whichever ends first;
@@ -73,10 +74,13 @@ def make_loader(dataset, args: argparse.Namespace, settings: dict[str, Any]):
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One contender in this process: first batch, then steady cells/s."""
-    import slafload.loader  # noqa: F401  (torch imported before the clock starts)
+    import slafload.kernels
+    import slafload.loader  # torch imported before the clock starts
 
-    t0 = time.perf_counter()
     settings = json.loads(args.settings)
+    if settings.get("kernels", "auto") != "numpy":
+        slafload.kernels.warm_up()  # numba's start-up, like an import (slafload/kernels.py)
+    t0 = time.perf_counter()
     loader = make_loader(args.dataset, args, settings)
     it = iter(loader)
     got = len(next(it)["input_ids"])

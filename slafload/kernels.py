@@ -10,12 +10,15 @@ installed (``pip install slafload[fast]``), :class:`Kernels` runs each as one co
 piece that releases the GIL for its whole duration; the numpy code stays the reference, and
 the tokens are identical either way (tests compare both on the same data).
 
-Compiling costs 0.2-1 s per kernel and argument types the first time a process uses it (less
-once numba's on-disk cache holds it). A loader's kernels compile on a background thread of
-their own, and each call runs the numpy code until its compiled version is ready, so the first
-batch never waits for a compiler (``backend="numba"`` waits instead: every call is compiled,
-which tests use). ``LoaderConfig.kernels`` picks the backend; ``"auto"`` (the default) uses
-numba when it imports.
+Compiling costs 0.2-1 s per kernel and argument types the first time a machine uses it, and a
+process's first kernel 0.3-0.5 s for numba's start-up once they are in numba's on-disk cache
+(then milliseconds each). A loader's kernels compile on a background thread of their own, and
+each call runs the numpy code until its compiled version is ready, so the first batch never
+waits for a compiler; the loader runs slower for that first second, the compiler holding the
+GIL much of it (:func:`warm_up` does that work up front). ``backend="numba"`` waits instead:
+every call is compiled, which tests use. ``LoaderConfig.kernels`` picks the backend;
+``"auto"`` (the default) uses numba when it is installed. numba and LLVM add ~100 MB to the
+process.
 """
 
 from __future__ import annotations
@@ -127,6 +130,25 @@ NUMPY = Kernels("numpy")
 """Kernels that never compile: the numpy code everywhere (the default of every function)."""
 
 
+def warm_up() -> bool:
+    """Import numba and load one kernel now; whether numba is in use (``False``: not installed).
+
+    The first kernel a process loads pays for numba's import and its compiler's start-up
+    (0.3-0.5 s with the kernels in numba's on-disk cache, ~1 s more the first time on a
+    machine), holding the GIL much of that time: a loader started cold compiles in the
+    background and streams at a fraction of its speed for its first second. After this call a
+    loader's kernels load in milliseconds. Call it beside your imports where that second
+    matters (a benchmark, a short job); a long training run need not.
+    """
+    if not numba_available():
+        return False
+    kernels = Kernels("numba")
+    empty = np.zeros(0, np.int64)
+    kernels.run("fill_runs", np.zeros(1, np.int64), empty, empty, 0)
+    kernels.close()
+    return True
+
+
 def _import_numba() -> Any:
     import numba
 
@@ -137,9 +159,11 @@ def _compile(key: tuple) -> Any:
     """The numba dispatcher of kernel ``key[0]``, compiled for argument types ``key[1:]``."""
     import numba
 
-    jit: Any = numba.njit(nogil=True, cache=True)
-    dispatcher = jit(_KERNELS[key[0]])
-    dispatcher.compile(key[1:])
+    try:  # numba's on-disk cache: beside this file, else in the user's cache directory
+        dispatcher = numba.njit(nogil=True, cache=True)(_KERNELS[key[0]])  # type: ignore[type-var]
+    except RuntimeError:  # "no locator available": nowhere writable, so compile every time
+        dispatcher = numba.njit(nogil=True)(_KERNELS[key[0]])  # type: ignore[type-var]
+    dispatcher.compile(key[1:])  # type: ignore[misc]
     return dispatcher
 
 

@@ -192,3 +192,20 @@ def test_loader_tokens_are_the_same_with_compiled_kernels(
         assert a.keys() == b.keys()
         for key in a:
             assert a[key].dtype == b[key].dtype and a[key].equal(b[key]), key
+
+
+@needs_numba
+def test_warm_up_loads_numba_and_leaves_no_thread():
+    assert slafload.kernels.warm_up()
+    assert not [t for t in threading.enumerate() if t.name.startswith("slafload-jit")]
+    ranked = ranked_values(np.uint16, seed=5)
+    kernels = Kernels("numba")
+    out = np.zeros(len(ranked.values), np.int64)
+    assert kernels.run("quantile_bins", ranked.values, ranked.indptr, 51, 0, out)
+    kernels.close()
+    np.testing.assert_array_equal(out, quantile_bins(ranked, 51))
+
+
+def test_warm_up_without_numba_says_so(monkeypatch):
+    monkeypatch.setattr(slafload.kernels, "numba_available", lambda: False)
+    assert not slafload.kernels.warm_up()
