@@ -34,6 +34,11 @@ import numpy as np
 
 BACKENDS = ("auto", "numba", "numpy")
 _IMPORT = ("import",)  # the compile thread's first job: importing numba
+_COMPILED: dict[tuple, Any] = {}
+"""numba (under ``_IMPORT``) and every kernel compiled in this process, by kernel and argument
+types. Compiled code is numba's and lives as long as the process whatever we do (a dispatcher
+made per loader leaked ~0.1 MB each, and cost a cache load), so loaders share it: a loader's
+:class:`Kernels` owns only its compile thread."""
 
 
 def numba_available() -> bool:
@@ -42,7 +47,10 @@ def numba_available() -> bool:
 
 
 class Kernels:
-    """One loader's compiled kernels: :meth:`run` calls one if it is ready.
+    """One loader's way to the compiled kernels: :meth:`run` calls one if it is ready.
+
+    What is compiled is shared by every loader of the process; a ``Kernels`` owns the thread
+    that compiles what its loader needs and nothing else has compiled yet.
 
     Args:
         backend: ``"auto"`` (numba when it is installed, imported and each kernel compiled
@@ -60,7 +68,6 @@ class Kernels:
             raise ImportError("kernels='numba' needs numba: pip install 'slafload[fast]'")
         self.requested = backend
         self.backend = "numba" if backend != "numpy" and numba_available() else "numpy"
-        self._ready: dict[tuple, Any] = {}  # ("import",) -> numba; kernel key -> dispatcher
         self._jobs: dict[tuple, Future[Any]] = {}
         self._failed: set[tuple] = set()
         self._lock = threading.Lock()
@@ -73,11 +80,11 @@ class Kernels:
         """
         if self.backend == "numpy" or any(getattr(a, "dtype", None) == np.float16 for a in args):
             return False  # numba has no float16 arithmetic
-        numba = self._ready.get(_IMPORT) or self._background(_IMPORT, _import_numba)
+        numba = _COMPILED.get(_IMPORT) or self._background(_IMPORT, _import_numba)
         if numba is None:
             return False
         key = (name, *(numba.typeof(a) for a in args))
-        kernel = self._ready.get(key) or self._background(key, _compile, key)
+        kernel = _COMPILED.get(key) or self._background(key, _compile, key)
         if kernel is None:
             return False
         kernel(*args)
@@ -112,7 +119,6 @@ class Kernels:
                 stacklevel=4,
             )
             return None
-        self._ready[key] = result
         return result
 
     def close(self) -> None:
@@ -152,19 +158,23 @@ def warm_up() -> bool:
 def _import_numba() -> Any:
     import numba
 
-    return numba
+    return _COMPILED.setdefault(_IMPORT, numba)
 
 
 def _compile(key: tuple) -> Any:
-    """The numba dispatcher of kernel ``key[0]``, compiled for argument types ``key[1:]``."""
+    """The numba dispatcher of kernel ``key[0]``, compiled for argument types ``key[1:]``
+    (once per process: :data:`_COMPILED`).
+    """
     import numba
 
+    if key in _COMPILED:
+        return _COMPILED[key]
     try:  # numba's on-disk cache: beside this file, else in the user's cache directory
         dispatcher = numba.njit(nogil=True, cache=True)(_KERNELS[key[0]])  # type: ignore[type-var]
     except RuntimeError:  # "no locator available": nowhere writable, so compile every time
         dispatcher = numba.njit(nogil=True)(_KERNELS[key[0]])  # type: ignore[type-var]
     dispatcher.compile(key[1:])  # type: ignore[misc]
-    return dispatcher
+    return _COMPILED.setdefault(key, dispatcher)
 
 
 # The kernels, as plain Python over arrays (numba compiles them; they are never run as

@@ -180,6 +180,7 @@ def test_loader_tokens_are_the_same_with_compiled_kernels(
         return compile_(key)
 
     monkeypatch.setattr(slafload.kernels, "_compile", spy)
+    monkeypatch.setattr(slafload.kernels, "_COMPILED", {})  # as in a new process
     want = batches(atlas, tokenizer, layout, "numpy")
     assert not compiled
     got = batches(atlas, tokenizer, layout, "numba")
@@ -209,3 +210,17 @@ def test_warm_up_loads_numba_and_leaves_no_thread():
 def test_warm_up_without_numba_says_so(monkeypatch):
     monkeypatch.setattr(slafload.kernels, "numba_available", lambda: False)
     assert not slafload.kernels.warm_up()
+
+
+@needs_numba
+def test_loaders_share_what_was_compiled_so_a_new_loader_runs_it_at_once():
+    ranked = ranked_values(np.uint32, seed=8)
+    first = Kernels("numba")
+    out = np.zeros(len(ranked.values), np.int64)
+    assert first.run("quantile_bins", ranked.values, ranked.indptr, 11, 0, out)
+    first.close()
+    later = Kernels("auto")  # would run numpy while compiling, had nothing been shared
+    again = np.zeros(len(ranked.values), np.int64)
+    assert later.run("quantile_bins", ranked.values, ranked.indptr, 11, 0, again)
+    assert not [t for t in threading.enumerate() if t.name.startswith("slafload-jit")]
+    np.testing.assert_array_equal(again, out)
