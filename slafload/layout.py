@@ -299,5 +299,7 @@ class LayOut(Stage[dict[str, np.ndarray]]):
         """Close the stages before, then end the token stage's own threads (the token worker
         has stopped by then, so nothing starts a new one).
         """
-        super().close()
-        self.tokens.close()
+        try:
+            super().close()
+        finally:
+            self.tokens.close()

@@ -22,7 +22,7 @@ from slafload.buffers import fresh
 from slafload.errors import LayoutError
 from slafload.kernels import NUMPY, Kernels
 from slafload.tokenizers import CLS, SEP, Geneformer, Raw, ScGPT, Tokenizer
-from slafload.tokenizers.builtin import copy_cell_tokens, gene_tokens
+from slafload.tokenizers.builtin import copy_cell_tokens, gene_tokens, scgpt_value_tokens
 from slafload.types import RankedChunk
 
 RAGGED_KEY = "tokens"  # the key a piece's Ragged travels under until the layout expands it
@@ -139,7 +139,7 @@ def _geneformer(tok: Geneformer, ranked: RankedChunk, dtype: np.dtype, kernels: 
 
 
 def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype, kernels: Kernels) -> dict:
-    aligned = [(dtype, tok.value_tokens(ranked, kernels))]
+    aligned = [(dtype, scgpt_value_tokens(tok, ranked, kernels))]
     width = tok.max_genes + 2
     offsets, ids, (values,) = _sentences(ranked, tok.max_genes, width, dtype, aligned, kernels)
     streams = {"input_ids": ids, "values": values}

@@ -224,3 +224,25 @@ def test_loaders_share_what_was_compiled_so_a_new_loader_runs_it_at_once():
     assert later.run("quantile_bins", ranked.values, ranked.indptr, 11, 0, again)
     assert not [t for t in threading.enumerate() if t.name.startswith("slafload-jit")]
     np.testing.assert_array_equal(again, out)
+
+
+@needs_numba
+def test_compiled_bins_never_write_past_a_short_out():
+    ranked = ranked_values(np.uint16, seed=9)
+    big = np.zeros(len(ranked.values) + 100, np.int64)
+    with pytest.raises(ValueError):  # numpy's slicing says so; the kernel is not called
+        quantile_bins(ranked, 51, 0, np.int64, big[:10], Kernels("numba"))
+    assert not big[10:].any()
+
+
+def test_scgpt_subclass_with_its_own_value_tokens_still_works():
+    class Shifted(slafload.tokenizers.ScGPT):
+        def value_tokens(self, ranked):  # the signature from before kernels existed
+            return super().value_tokens(ranked) + 1
+
+    ranked = ranked_values(np.uint16, seed=10)
+    plain = slafload.tokenizers.ScGPT(max_genes=16)(ranked)
+    shifted = Shifted(max_genes=16)(ranked, kernels=Kernels("auto"))
+    real = plain["attention_mask"] & (np.arange(18) > 0)
+    real &= plain["input_ids"] != slafload.tokenizers.SEP
+    np.testing.assert_array_equal(shifted["values"][real], plain["values"][real] + 1)

@@ -182,11 +182,20 @@ class ScGPT:
         values = _padded(buffers, "values", sep, width, np.int64, PAD)
         ids[:, 0], values[:, 0] = CLS, PAD
         tokens = gene_tokens(ranked)
-        value_tokens = self.value_tokens(ranked, kernels)
+        value_tokens = scgpt_value_tokens(self, ranked, kernels)
         _fill_rows(ids, tokens, ranked, limit, 1, (values, value_tokens), kernels=kernels)
         ids[np.arange(ranked.n_cells), sep] = SEP
         return {"input_ids": ids, "attention_mask": _mask(buffers, sep + 1, width),
                 "values": values}  # fmt: skip
+
+
+def scgpt_value_tokens(tok: ScGPT, ranked: RankedChunk, kernels: Kernels) -> np.ndarray:
+    """``tok.value_tokens(ranked)``, through ``kernels`` unless a subclass overrides it (with
+    the signature it had before kernels existed).
+    """
+    if type(tok).value_tokens is ScGPT.value_tokens:
+        return tok.value_tokens(ranked, kernels)
+    return tok.value_tokens(ranked)
 
 
 class Raw:
@@ -236,8 +245,9 @@ def quantile_bins(
     """
     values, indptr = ranked.values, ranked.indptr
     out = np.empty(len(values), dtype=dtype) if out is None else out
-    if kernels.run("quantile_bins", values, indptr, n_bins, offset, out):
-        return out
+    in_bounds = len(indptr) > 0 and indptr[0] >= 0 and indptr[-1] <= min(len(values), len(out))
+    if in_bounds and kernels.run("quantile_bins", values, indptr, n_bins, offset, out):
+        return out  # (the kernel checks no bounds: out of them, numpy's slicing raises below)
     n_cells = len(indptr) - 1
     for first in range(0, n_cells, BIN_BLOCK_CELLS):
         last = min(first + BIN_BLOCK_CELLS, n_cells)
