@@ -180,6 +180,18 @@ def gather_runs(
     return out_offsets - out_offsets[0], [x.flatten().to_numpy() for x in lists]
 
 
+def _in_bounds(
+    pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst: np.ndarray, src: np.ndarray,
+    lengths: np.ndarray,
+) -> bool:  # fmt: skip
+    """Whether every run lies inside every pair's arrays (the kernels check no bounds; out of
+    them, the numpy loop raises as numpy does).
+    """
+    low = min(int(dst.min()), int(src.min()), int(lengths.min()))
+    dst_end, src_end = int((dst + lengths).max()), int((src + lengths).max())
+    return low >= 0 and all(dst_end <= len(o) and src_end <= len(s) for o, s in pairs)
+
+
 def copy_aligned_runs(
     pairs: Sequence[tuple[np.ndarray, np.ndarray]], dst_starts: np.ndarray,
     src_starts: np.ndarray, lengths: np.ndarray, kernels: Kernels = NUMPY,
@@ -196,10 +208,11 @@ def copy_aligned_runs(
     ``kernels`` (one or two pairs), one call copies every run, the GIL released.
     """
     runs = (dst_starts, src_starts, lengths)
-    if len(pairs) == 1 and kernels.run("copy_runs_1", *pairs[0], *runs):
-        return
-    if len(pairs) == 2 and kernels.run("copy_runs_2", *pairs[0], *pairs[1], *runs):
-        return
+    if kernels.backend != "numpy" and len(lengths) and _in_bounds(pairs, *runs):
+        if len(pairs) == 1 and kernels.run("copy_runs_1", *pairs[0], *runs):
+            return
+        if len(pairs) == 2 and kernels.run("copy_runs_2", *pairs[0], *pairs[1], *runs):
+            return
     for d, s, n in zip(dst_starts.tolist(), src_starts.tolist(), lengths.tolist(), strict=True):
         for dst, src in pairs:
             dst[d : d + n] = src[s : s + n]

@@ -246,3 +246,12 @@ def test_scgpt_subclass_with_its_own_value_tokens_still_works():
     real = plain["attention_mask"] & (np.arange(18) > 0)
     real &= plain["input_ids"] != slafload.tokenizers.SEP
     np.testing.assert_array_equal(shifted["values"][real], plain["values"][real] + 1)
+
+
+@needs_numba
+def test_compiled_copies_never_write_past_their_arrays():
+    big = np.zeros(100, np.int64)
+    with pytest.raises(ValueError):  # the numpy loop's error; the kernel is not called
+        copy_aligned_runs([(big[:10], np.arange(50))], np.array([5]), np.array([0]),
+                          np.array([20]), Kernels("numba"))  # fmt: skip
+    assert not big[10:].any()
