@@ -103,21 +103,22 @@ class RowBuffers:
             caller will ask for: a run's small first piece then does not take a slot that
             later pieces cannot use). A free kept array too small for a request is
             replaced by a larger one.
-        kernels: Re-pad reused rows with these (:mod:`slafload.kernels`).
     """
 
-    def __init__(self, keep: int = 4, rows: int = 0, kernels: Kernels = NUMPY):
-        self.keep, self.min_rows, self.kernels = keep, rows, kernels
+    def __init__(self, keep: int = 4, rows: int = 0):
+        self.keep, self.min_rows = keep, rows
         self._pools: dict[tuple, list[_Entry]] = {}
         self._lock = threading.Lock()
 
     def rows(
-        self, name: str, ends: np.ndarray, width: int, dtype: np.dtype, pad: int | float = 0
-    ) -> np.ndarray:
+        self, name: str, ends: np.ndarray, width: int, dtype: np.dtype, pad: int | float = 0,
+        kernels: Kernels = NUMPY,
+    ) -> np.ndarray:  # fmt: skip
         """A ``[len(ends), width]`` array whose row ``i`` holds ``pad`` from column ``ends[i]``.
 
         Columns before ``ends[i]`` hold leftovers: the caller must write every one of them
-        (``ends`` of ``width`` everywhere: the caller overwrites the whole array).
+        (``ends`` of ``width`` everywhere: the caller overwrites the whole array). A reused
+        array is re-padded with ``kernels`` (:mod:`slafload.kernels`).
         """
         n = len(ends)
         key = (name, width, np.dtype(dtype), pad)
@@ -137,7 +138,7 @@ class RowBuffers:
                 entry = _Entry(array, np.zeros(capacity, dtype=np.int64))
                 pool.append(entry)
             out = entry.array[:n]
-            _repad(out, entry.ends[:n], ends, pad, self.kernels)
+            _repad(out, entry.ends[:n], ends, pad, kernels)
             entry.ends[:n] = ends
             return out
 

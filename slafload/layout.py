@@ -217,7 +217,7 @@ class HostTokens:
 
     The built-in tokenizers write padded rows into arrays reused from piece to piece once the
     consumer has released every batch viewing them (:mod:`slafload.buffers`), and run their
-    per-cell loops through ``kernels`` (:mod:`slafload.kernels`; give ``buffers`` the same).
+    per-cell loops through ``kernels`` (:mod:`slafload.kernels`).
     """
 
     tokenizer: Tokenizer
@@ -279,9 +279,8 @@ def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig) -> TokenStage:
         from slafload.device_tokenize import DeviceTokens
 
         return DeviceTokens(tokenizer, layout)
-    kernels = Kernels(config.kernels)
     return HostTokens(
-        tokenizer, layout, RowBuffers(rows=config.piece_cells, kernels=kernels), kernels
+        tokenizer, layout, RowBuffers(rows=config.piece_cells), Kernels(config.kernels)
     )
 
 

@@ -79,10 +79,10 @@ def test_compiled_run_copies_equal_numpy(n_pairs):
                                             (bool, False)])  # fmt: skip
 def test_compiled_repad_restores_padding_of_reused_rows(dtype, pad):
     rng = np.random.default_rng(0)
-    buffers = RowBuffers(keep=1, kernels=Kernels("numba"))
+    buffers, kernels = RowBuffers(keep=1), Kernels("numba")
     for _ in range(4):
         ends = rng.integers(0, 30, 40)
-        rows = buffers.rows("x", ends, 30, np.dtype(dtype), pad)
+        rows = buffers.rows("x", ends, 30, np.dtype(dtype), pad, kernels)
         mask = np.arange(30)[None, :] < ends[:, None]
         assert (rows[~mask] == pad).all()
         rows[mask] = not pad if dtype is bool else 7  # write every token, as a tokenizer does

@@ -47,13 +47,14 @@ def _check_max_genes(max_genes: int, minimum: int) -> None:
 
 
 def _padded(
-    buffers: RowBuffers | None, name: str, ends: np.ndarray, width: int, dtype: type, pad=0
-) -> np.ndarray:
+    buffers: RowBuffers | None, name: str, ends: np.ndarray, width: int, dtype: type, pad=0,
+    kernels: Kernels = NUMPY,
+) -> np.ndarray:  # fmt: skip
     """``[len(ends), width]`` rows holding ``pad`` from column ``ends[i]`` on (see
     :meth:`RowBuffers.rows`): from ``buffers`` when given, else newly allocated.
     """
     if buffers is not None:
-        return buffers.rows(name, ends, width, np.dtype(dtype), pad)
+        return buffers.rows(name, ends, width, np.dtype(dtype), pad, kernels)
     return fresh((len(ends), width), dtype, pad)
 
 
@@ -130,7 +131,7 @@ class Geneformer:
         sep = ranked.output_lengths(width - 1) + 1  # column of SEP, where it fits
         fits = np.flatnonzero(sep < width)
         ends = np.minimum(sep + 1, width)
-        ids = _padded(buffers, "input_ids", ends, width, np.int64, PAD)
+        ids = _padded(buffers, "input_ids", ends, width, np.int64, PAD, kernels)
         ids[:, 0] = CLS
         _fill_rows(ids, gene_tokens(ranked), ranked, width - 1, first_col=1, kernels=kernels)
         ids[fits, sep[fits]] = SEP
@@ -161,7 +162,7 @@ class ScGPT:
     def value_tokens(self, ranked: RankedChunk, kernels: Kernels = NUMPY) -> np.ndarray:
         """``bins(ranked) + value_offset``, in one pass when the bins are the built-in ones
         (then in the narrowest integer type that holds every token, in this thread's scratch:
-        copy them out at once).
+        copy them out at once; binned through ``kernels``).
         """
         if type(self).bins is ScGPT.bins:
             top = self.n_bins - 1 + self.value_offset
@@ -178,8 +179,8 @@ class ScGPT:
         """
         width, limit = self.max_genes + 2, self.max_genes
         sep = ranked.output_lengths(limit) + 1  # SEP always fits
-        ids = _padded(buffers, "input_ids", sep + 1, width, np.int64, PAD)
-        values = _padded(buffers, "values", sep, width, np.int64, PAD)
+        ids = _padded(buffers, "input_ids", sep + 1, width, np.int64, PAD, kernels)
+        values = _padded(buffers, "values", sep, width, np.int64, PAD, kernels)
         ids[:, 0], values[:, 0] = CLS, PAD
         tokens = gene_tokens(ranked)
         value_tokens = scgpt_value_tokens(self, ranked, kernels)
@@ -215,8 +216,8 @@ class Raw:
         """
         width = self.max_genes
         lengths = ranked.output_lengths(width)
-        gene_ids = _padded(buffers, "gene_ids", lengths, width, np.int64, -1)
-        values = _padded(buffers, "values", lengths, width, np.float32, 0)
+        gene_ids = _padded(buffers, "gene_ids", lengths, width, np.int64, -1, kernels)
+        values = _padded(buffers, "values", lengths, width, np.float32, 0, kernels)
         _fill_rows(gene_ids, ranked.genes, ranked, width, 0, (values, ranked.values),
                    kernels=kernels)  # fmt: skip
         return {"gene_ids": gene_ids, "values": values, "lengths": lengths}
@@ -245,7 +246,8 @@ def quantile_bins(
     """
     values, indptr = ranked.values, ranked.indptr
     out = np.empty(len(values), dtype=dtype) if out is None else out
-    in_bounds = len(indptr) > 0 and indptr[0] >= 0 and indptr[-1] <= min(len(values), len(out))
+    compiled = kernels.backend != "numpy" and len(indptr) > 0
+    in_bounds = compiled and indptr[0] >= 0 and indptr[-1] <= min(len(values), len(out))
     if in_bounds and kernels.run("quantile_bins", values, indptr, n_bins, offset, out):
         return out  # (the kernel checks no bounds: out of them, numpy's slicing raises below)
     n_cells = len(indptr) - 1
