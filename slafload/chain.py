@@ -25,6 +25,7 @@ from slafload.chunk import Assemble, Shuffle, Split, Transform
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
 from slafload.first_read import split_first
+from slafload.kernels import Kernels
 from slafload.layout import LayOut, TokenStage, make_token_stage
 from slafload.partition import Part
 from slafload.ranges import RangeSet
@@ -70,7 +71,12 @@ class ChainSpec:
     @cached_property
     def tokens(self) -> TokenStage:
         """Ranking, tokenizing and layout, as ``config.layout`` and ``tokenize_on`` ask."""
-        return make_token_stage(self.tokenizer, self.config)
+        return make_token_stage(self.tokenizer, self.config, self.kernels)
+
+    @cached_property
+    def kernels(self) -> Kernels:
+        """The compiled kernels (``config.kernels``) of the token stage and the reader."""
+        return Kernels(self.config.kernels)
 
     def for_epoch(self, epoch: int) -> ChainSpec:
         """This spec with its epoch-aware tokenizer and transforms bound to ``epoch``.
@@ -119,7 +125,11 @@ def build_chain(
     """
     cfg, ds = spec.config, spec.dataset
     lance_reader = ds.reader(
-        batch_rows=cfg.read_batch_rows, direct=cfg.read_data_files, threads=cfg.read_threads
+        batch_rows=cfg.read_batch_rows,
+        direct=cfg.read_data_files,
+        threads=cfg.read_threads,
+        flat=cfg.read_flat,
+        kernels=spec.kernels,
     )
     reader = RetryingReader(lance_reader, cfg.retry, uri=ds.uri, sleep=sleep)
     checked = spec.checked if cfg.check_rows == "once" else None
@@ -143,5 +153,5 @@ def build_chain(
     s = observe("rank", RankGenes(s, start=spec.tokens.start, lookahead=1))
     s = observe("tokenize", Tokenize(s, spec.tokens, spec.obs))
     s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last, epochs=epochs))
-    s = observe("layout", LayOut(s, spec.tokens))
+    s = observe("layout", LayOut(s, spec.tokens, spec.kernels))
     return observe("to_torch", ToTorch(s, pin_memory=spec.pin_memory))

@@ -123,6 +123,11 @@ class LoaderConfig:
             threads: 1.3-1.6x the block-sampling throughput of 1 thread on 2 cores,
             docs/sampling.md). A fetch's reads always go on in the background, overlapping
             the read-ahead with compute (docs/object-storage.md).
+        read_flat: Read local data files in Lance's 2.0 format (``slafload optimize``), whose
+            pages are plain arrays, by ``pread`` without Lance's decoder
+            (``slafload/flat_pages.py``; each file's pages checked when it is opened, the
+            first file's rows compared with Lance's read of them). ``False`` leaves every
+            range to Lance's file reader.
         check_rows: ``"once"`` (default) or ``"always"``. Every expression row's
             ``cell_integer_id`` is compared with the cell ``cell_start_index`` places it in,
             and a mismatch raises :class:`~slafload.InconsistentDataError`. With ``"once"``
@@ -158,6 +163,7 @@ class LoaderConfig:
     first_read_cells: int = 64
     read_data_files: bool | None = None
     read_threads: int | None = None
+    read_flat: bool = True
     check_rows: str = "once"
     kernels: str = "auto"
 
@@ -174,6 +180,8 @@ class LoaderConfig:
             raise ValueError(
                 f"read_data_files must be None, True or False, got {self.read_data_files!r}"
             )
+        if not isinstance(self.read_flat, bool):
+            raise ValueError(f"read_flat must be True or False, got {self.read_flat!r}")
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         choices = {

@@ -8,7 +8,10 @@ files: on a 5M-cell atlas (3,816 files) one 16-cell range costs several times wh
 read costs on a file whose reader is already open (numbers in docs/sampling.md, from
 ``benchmarks/range_cost.py``). :class:`DataFiles` does that arithmetic once per pinned version
 (one ``int64`` per data file) and keeps a bounded LRU cache of ``lance.file.LanceFileReader``
-objects, so a range costs one ``read_range`` on an open file.
+objects, so a range costs one ``read_range`` on an open file. Local files in Lance's 2.0
+format, whose pages are plain arrays, are opened as :class:`~slafload.flat_pages.FlatFile`
+instead (``flat=True``, the default): their ranges are read by ``pread`` without Lance's
+decoder, a window's worth by one kernel call, into reused buffers.
 
 On an object store a range read is a few sequential requests (each column's page metadata,
 then its data: ~5 for the expression table's three columns), each paying the store's latency,
@@ -46,6 +49,9 @@ import pyarrow.compute as pc
 from lance.file import LanceFileReader
 
 from slafload._compat import file_session
+from slafload.buffers import BytePool
+from slafload.flat_pages import FlatFile, FlatRange, read_ranges
+from slafload.kernels import NUMPY, Kernels
 from slafload.ranges import expand
 
 logger = logging.getLogger(__name__)
@@ -92,11 +98,12 @@ def file_versions(expression: lance.LanceDataset) -> set[tuple[int, int]]:
 
 @dataclass(eq=False)
 class _Open:
-    """A cached file reader (``None`` until its first user opens it) and the lock that lets one
-    thread at a time use it (pylance file readers refuse concurrent calls).
+    """A cached file reader (``None`` until its first user opens it: a :class:`FlatFile` where
+    the file's pages are flat, else Lance's) and the lock that lets one thread at a time use
+    it (pylance file readers refuse concurrent calls).
     """
 
-    reader: LanceFileReader | None = None
+    reader: LanceFileReader | FlatFile | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -143,6 +150,10 @@ class DataFiles:
     Args:
         threads: Data files read at once by :meth:`read`; ``None``: :data:`REMOTE_THREADS` on
             an object store, :data:`LOCAL_THREADS` for local paths.
+        flat: Read local files whose pages are flat (Lance 2.0, :mod:`slafload.flat_pages`)
+            without Lance's decoder; ``False`` reads every file through Lance.
+        kernels: Where flat reads find the ``pread_runs`` kernel (compiled already: the read
+            threads never start a compile).
     """
 
     def __init__(
@@ -152,6 +163,9 @@ class DataFiles:
         storage_options: Mapping[str, str] | None = None,
         max_open: int | None = None,
         threads: int | None = None,
+        *,
+        flat: bool = True,
+        kernels: Kernels = NUMPY,
     ):
         self.paths = list(paths)
         self.starts = np.asarray(starts, dtype=np.int64)
@@ -161,6 +175,9 @@ class DataFiles:
             raise ValueError(f"max_open must be >= 1, got {self.max_open}")
         remote = bool(self.paths) and is_remote(self.paths[0])
         self.threads = (REMOTE_THREADS if remote else LOCAL_THREADS) if threads is None else threads
+        self.flat, self.kernels = flat, kernels
+        self._pool = BytePool()  # the flat reads' buffers
+        self._checked = False  # a flat file has read as Lance reads it
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self._open: OrderedDict[tuple[int, tuple[str, ...]], _Open] = OrderedDict()
@@ -179,6 +196,9 @@ class DataFiles:
         storage_options: Mapping[str, str] | None = None,
         max_open: int | None = None,
         threads: int | None = None,
+        *,
+        flat: bool = True,
+        kernels: Kernels = NUMPY,
     ) -> DataFiles | None:
         """The data files of ``expression``'s pinned version, or ``None`` where reading them
         directly would not be exact (see the module docstring).
@@ -204,9 +224,9 @@ class DataFiles:
             paths.append(f"{expression.uri.rstrip('/')}/data/{data.path}")
             rows.append(meta.physical_rows)
         starts = np.concatenate([[0], np.cumsum(rows)])
-        direct = cls(paths, starts, storage_options, max_open, threads)
+        direct = cls(paths, starts, storage_options, max_open, threads, flat=flat, kernels=kernels)
         try:
-            stored = direct._reader(0, tuple(columns)).metadata().schema
+            stored = direct._new_reader(0, tuple(columns)).metadata().schema
         except Exception as exc:  # an unreadable file is the scan's to report, not ours
             logger.debug("not reading data files directly: %r", exc)
             return None
@@ -321,8 +341,13 @@ class DataFiles:
             with self._in_turn if self.threads == 1 else contextlib.nullcontext():
                 for some, read in zip(plan, done, strict=True):
                     streams = [self._stream(f, cols, a, m) for f, _, a, m in some]
+                    flat = [s for s in streams if isinstance(s, FlatRange)]
+                    flat_tables = iter(read_ranges(flat, self.kernels, self._pool) if flat else ())
                     for (_, k, _, _), stream in zip(some, streams, strict=True):
-                        table = stream.to_table()  # one call: the GIL is taken back once
+                        if isinstance(stream, FlatRange):
+                            table = next(flat_tables)
+                        else:
+                            table = stream.to_table()  # one call: the GIL is taken back once
                         ranges = keep[k]
                         tables[k] = table if ranges is None else keep_rows(table, ranges)
                     read.set()
@@ -331,14 +356,17 @@ class DataFiles:
                 read.set()
 
     def _stream(self, index: int, cols: tuple[str, ...], start: int, rows: int) -> Any:
-        """A started ``read_range`` of ``rows`` rows from ``start`` in data file ``index``."""
+        """A started ``read_range`` of ``rows`` rows from ``start`` in data file ``index``
+        (for a flat file, the read itself is left to the caller's ``to_table()``).
+        """
         entry = self._entry(index, cols)
         with entry.lock:
+            reader = self._opened(entry, index, cols)
+            if isinstance(reader, FlatFile):  # read with the window's other flat ranges
+                return FlatRange(reader, start, rows)
             # One batch per range, so nothing to read ahead: pylance's default of 16 cost
             # ~5% more CPU per range (benchmarks/results/scale_ab_batch_readahead.json).
-            return self._opened(entry, index, cols).read_range(
-                start, rows, batch_size=rows, batch_readahead=1
-            )
+            return reader.read_range(start, rows, batch_size=rows, batch_readahead=1)
 
     def _entry(self, index: int, cols: tuple[str, ...]) -> _Open:
         key = (index, cols)
@@ -359,14 +387,19 @@ class DataFiles:
             self.paths[index], storage_options=self.storage_options, columns=list(cols)
         )
 
-    def _opened(self, entry: _Open, index: int, cols: tuple[str, ...]) -> LanceFileReader:
-        """``entry``'s reader of data file ``index``, opened on first use."""
+    def _opened(
+        self, entry: _Open, index: int, cols: tuple[str, ...]
+    ) -> LanceFileReader | FlatFile:
+        """``entry``'s reader of data file ``index``, opened on first use: flat where the
+        file allows it (local Lance 2.0 files, :mod:`slafload.flat_pages`), else Lance's.
+        """
         if entry.reader is None:
-            entry.reader = self._new_reader(index, cols)
+            if self.flat and not is_remote(self.paths[index]):
+                entry.reader = FlatFile.open(self.paths[index], cols, check=not self._checked)
+                self._checked = self._checked or entry.reader is not None
+            if entry.reader is None:
+                entry.reader = self._new_reader(index, cols)
         return entry.reader
-
-    def _reader(self, index: int, columns: tuple[str, ...]) -> LanceFileReader:
-        return self._opened(self._entry(index, columns), index, columns)
 
 
 def _pieces_kept(

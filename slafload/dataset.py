@@ -34,6 +34,7 @@ from slafload.errors import (
     MissingTableError,
     SchemaError,
 )
+from slafload.kernels import NUMPY, Kernels
 
 if TYPE_CHECKING:
     from slafload.reader import Reader
@@ -134,12 +135,20 @@ class SlafDataset:
         return codes.to_numpy(), categories.to_list()
 
     def reader(
-        self, *, batch_rows: int = 1 << 22, direct: bool | None = None, threads: int | None = None
+        self,
+        *,
+        batch_rows: int = 1 << 22,
+        direct: bool | None = None,
+        threads: int | None = None,
+        flat: bool = True,
+        kernels: Kernels = NUMPY,
     ) -> Reader:
         """The Lance reader of this dataset's fetches (a mixture brings one per source)."""
         from slafload.reader import Reader
 
-        return Reader(self, batch_rows=batch_rows, direct=direct, threads=threads)
+        return Reader(
+            self, batch_rows=batch_rows, direct=direct, threads=threads, flat=flat, kernels=kernels
+        )
 
     def row_bytes(self, columns: list[str]) -> int:
         """Bytes of one expression row of ``columns``, as the memory budget counts them."""

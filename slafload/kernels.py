@@ -23,7 +23,9 @@ process.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -73,22 +75,38 @@ class Kernels:
         self._lock = threading.Lock()
         self._compiler: ThreadPoolExecutor | None = None
 
-    def run(self, name: str, *args: Any) -> bool:
+    def run(self, name: str, *args: Any, start: bool = True) -> bool:
         """Run kernel ``name`` on ``args`` and return ``True``; ``False`` if it did not run
         (numpy backend, or numba still loading or compiling for these argument types): the
         caller then runs its numpy code.
+
+        ``start=False`` runs it only if it is compiled already, and never starts the compile
+        thread: for calls from threads that may outlive the loader (the read threads), whose
+        kernels :meth:`prepare` compiles.
         """
         if self.backend == "numpy" or any(getattr(a, "dtype", None) == np.float16 for a in args):
             return False  # numba has no float16 arithmetic
-        numba = _COMPILED.get(_IMPORT) or self._background(_IMPORT, _import_numba)
+        numba = _COMPILED.get(_IMPORT)
+        if numba is None and start:
+            numba = self._background(_IMPORT, _import_numba)
         if numba is None:
             return False
         key = (name, *(numba.typeof(a) for a in args))
-        kernel = _COMPILED.get(key) or self._background(key, _compile, key)
+        kernel = _COMPILED.get(key)
+        if kernel is None and start:
+            kernel = self._background(key, _compile, key)
         if kernel is None:
             return False
         kernel(*args)
         return True
+
+    def prepare(self, name: str, *args: Any) -> None:
+        """Start compiling kernel ``name`` for the types of ``args`` (example arguments, not
+        run) on the compile thread, numba's import first if need be; with
+        ``backend="numba"``, wait for it (and raise its failure).
+        """
+        if self.backend != "numpy":
+            self._background((name, "prepared"), _prepare, name, args)
 
     def _background(self, key: tuple, job: Callable[..., Any], *args: Any) -> Any:
         """``job(*args)``'s result once the compile thread has run it (it is started on the
@@ -151,14 +169,29 @@ def warm_up() -> bool:
     kernels = Kernels("numba")
     empty = np.zeros(0, np.int64)
     kernels.run("fill_runs", np.zeros(1, np.int64), empty, empty, 0)
+    prepare_reads(kernels)  # not cacheable on disk: compiled per process (~0.1 s)
     kernels.close()
     return True
+
+
+def prepare_reads(kernels: Kernels) -> None:
+    """Have ``kernels`` compile what :func:`slafload.flat_pages.read_ranges` runs (in the
+    background, or now with ``backend="numba"``): the read threads use it once it is ready.
+    """
+    z = np.zeros(0, dtype=np.int64)
+    kernels.prepare("pread_runs", z, z, z, z, np.zeros(0, dtype=np.uint8), np.zeros(1, np.int64))
 
 
 def _import_numba() -> Any:
     import numba
 
     return _COMPILED.setdefault(_IMPORT, numba)
+
+
+def _prepare(name: str, args: tuple) -> Any:
+    """Import numba if need be, then compile kernel ``name`` for the types of ``args``."""
+    numba = _COMPILED.get(_IMPORT) or _import_numba()
+    return _compile((name, *(numba.typeof(a) for a in args)))
 
 
 def _compile(key: tuple) -> Any:
@@ -170,6 +203,8 @@ def _compile(key: tuple) -> Any:
     if key in _COMPILED:
         return _COMPILED[key]
     try:  # numba's on-disk cache: beside this file, else in the user's cache directory
+        if key[0] in _NOT_CACHED:
+            raise RuntimeError("not cacheable")
         dispatcher = numba.njit(nogil=True, cache=True)(_KERNELS[key[0]])  # type: ignore[type-var]
     except RuntimeError:  # "no locator available": nowhere writable, so compile every time
         dispatcher = numba.njit(nogil=True)(_KERNELS[key[0]])  # type: ignore[type-var]
@@ -242,9 +277,45 @@ def _quantile_bins(values: np.ndarray, indptr: np.ndarray, n_bins: int, offset: 
             out[i] = k + offset
 
 
+def _libc_pread() -> Any:
+    """libc's ``pread`` as a ctypes function numba can call; ``None`` where there is none."""
+    if sys.platform == "win32":
+        return None
+    try:
+        pread = ctypes.CDLL(None, use_errno=True).pread
+    except (OSError, AttributeError):
+        return None
+    pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
+    pread.restype = ctypes.c_ssize_t
+    return pread
+
+
+_pread = _libc_pread()
+
+
+def _pread_runs(fds: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, where: np.ndarray,
+                out: np.ndarray, failed: np.ndarray) -> None:  # fmt: skip
+    """``sizes[i]`` bytes of file ``fds[i]`` from ``offsets[i]`` into ``out[where[i]:]``, for
+    every ``i`` (:func:`~slafload.flat_pages.read_ranges`); ``failed[0]`` is the first run
+    not read whole (an error, or the end of the file), else -1.
+    """
+    base = out.ctypes.data
+    for i in range(len(fds)):
+        got = 0
+        while got < sizes[i]:
+            n = _pread(fds[i], base + where[i] + got, sizes[i] - got, offsets[i] + got)
+            if n <= 0:
+                failed[0] = i
+                return
+            got += n
+    failed[0] = -1
+
+
+_NOT_CACHED = {"pread_runs"}  # calls a ctypes function: numba cannot cache it (~0.1 s to compile)
 _KERNELS = {
     "copy_runs_1": _copy_runs_1,
     "copy_runs_2": _copy_runs_2,
     "fill_runs": _fill_runs,
     "quantile_bins": _quantile_bins,
+    "pread_runs": _pread_runs,
 }

@@ -272,33 +272,44 @@ def _narrow(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return array.astype(dtype) if array.ndim == 2 and array.dtype == np.int64 else array
 
 
-def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig) -> TokenStage:
-    """The token stage ``config.tokenize_on`` and ``config.layout`` ask for."""
+def make_token_stage(
+    tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernels | None = None
+) -> TokenStage:
+    """The token stage ``config.tokenize_on`` and ``config.layout`` ask for (its kernels
+    ``kernels``, else its own of ``config.kernels``).
+    """
     layout = make_layout(config.layout, config.token_dtype)
     if config.tokenize_on == "device":
         from slafload.device_tokenize import DeviceTokens
 
         return DeviceTokens(tokenizer, layout)
     return HostTokens(
-        tokenizer, layout, RowBuffers(rows=config.piece_cells), Kernels(config.kernels)
+        tokenizer,
+        layout,
+        RowBuffers(rows=config.piece_cells),
+        Kernels(config.kernels) if kernels is None else kernels,
     )
 
 
 class LayOut(Stage[dict[str, np.ndarray]]):
     """Each batch's token rows in the loader's layout (padded, longest or packed)."""
 
-    def __init__(self, source: Any, tokens: TokenStage):
+    def __init__(self, source: Any, tokens: TokenStage, kernels: Kernels = NUMPY):
         super().__init__(source)
-        self.tokens = tokens
+        self.tokens, self.kernels = tokens, kernels
 
     def __next__(self) -> dict[str, np.ndarray]:
         return self.tokens.finish(next(self.source))
 
     def close(self) -> None:
-        """Close the stages before, then end the token stage's own threads (the token worker
-        has stopped by then, so nothing starts a new one).
+        """Close the stages before, then end the token stage's own threads and the chain's
+        kernels' compile thread (the token worker and the producer have stopped by then, so
+        nothing starts a new one; the read threads never do).
         """
         try:
             super().close()
         finally:
-            self.tokens.close()
+            try:
+                self.tokens.close()
+            finally:
+                self.kernels.close()

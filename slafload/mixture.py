@@ -38,6 +38,7 @@ import pyarrow as pa
 
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.errors import MixtureError, SchemaError, StateError, VocabularyError
+from slafload.kernels import NUMPY, Kernels
 from slafload.samplers.mixed import MixtureSampler
 from slafload.sources import CellColumn, GlobalOffsets, MixedReader, PerSource
 from slafload.transforms.lognorm import LogNormalize
@@ -209,11 +210,23 @@ class Mixture:
         return None
 
     def reader(
-        self, *, batch_rows: int = 1 << 22, direct: bool | None = None, threads: int | None = None
+        self,
+        *,
+        batch_rows: int = 1 << 22,
+        direct: bool | None = None,
+        threads: int | None = None,
+        flat: bool = True,
+        kernels: Kernels = NUMPY,
     ) -> MixedReader:
         """The Lance reader of the mixture: each fetch read from its own source."""
         return MixedReader(
-            self.offsets, self.datasets, batch_rows=batch_rows, direct=direct, threads=threads
+            self.offsets,
+            self.datasets,
+            batch_rows=batch_rows,
+            direct=direct,
+            threads=threads,
+            flat=flat,
+            kernels=kernels,
         )
 
     def row_bytes(self, columns: list[str]) -> int:

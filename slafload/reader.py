@@ -40,6 +40,7 @@ from slafload._validate import check_int
 from slafload.data_files import DataFiles, direct_by_default, is_remote
 from slafload.dataset import SlafDataset
 from slafload.errors import ReadError, SlafloadError
+from slafload.kernels import NUMPY, Kernels, prepare_reads
 from slafload.ranges import coalesce, describe, expand_ranges, span_ends
 from slafload.types import Fetch
 
@@ -69,6 +70,10 @@ class Reader:
             (:func:`~slafload.data_files.direct_by_default`).
         threads: Data files the direct path reads at once (:class:`DataFiles`); ``None``
             picks by storage (more on object stores).
+        flat: Read local Lance 2.0 data files' plain pages without Lance's decoder
+            (:mod:`slafload.flat_pages`) on the direct path.
+        kernels: The loader's compiled kernels: flat data files are read by one kernel
+            call per window of ranges.
     """
 
     def __init__(
@@ -78,12 +83,15 @@ class Reader:
         batch_rows: int = 1 << 22,
         direct: bool | None = None,
         threads: int | None = None,
+        flat: bool = True,
+        kernels: Kernels = NUMPY,
     ):
         check_int("batch_rows", batch_rows)
         check_int("threads", threads, none_ok=True)
         self.dataset = dataset
         self.batch_rows = batch_rows
         self.threads = threads
+        self.flat, self.kernels = flat, kernels
         self._direct = direct  # None: decided on first use (it lists the data files)
         self._files: DataFiles | None = None
 
@@ -99,8 +107,13 @@ class Reader:
                 COLUMNS,
                 storage_options=self.dataset.storage_options,
                 threads=self.threads,
+                flat=self.flat,
+                kernels=self.kernels,
             )
             self._direct = self._files is not None
+            if self._files is not None and self.flat and not is_remote(self.dataset.uri):
+                prepare_reads(self.kernels)  # compiled on the loader's thread, not the reads'
+
         return self._files
 
     def row_ranges(self, fetch: Fetch) -> np.ndarray:

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from slafload.dataset import SlafDataset
+from slafload.kernels import NUMPY, Kernels
 from slafload.types import Chunk, ChunkTransform, Fetch
 
 
@@ -103,10 +104,15 @@ class MixedReader:
         batch_rows: int = 1 << 22,
         direct: bool | None = None,
         threads: int | None = None,
+        flat: bool = True,
+        kernels: Kernels = NUMPY,
     ):
         self.offsets = offsets
         self.readers = [
-            ds.reader(batch_rows=batch_rows, direct=direct, threads=threads) for ds in datasets
+            ds.reader(
+                batch_rows=batch_rows, direct=direct, threads=threads, flat=flat, kernels=kernels
+            )
+            for ds in datasets
         ]
 
     def read(self, fetch: Fetch, *, cell_ids: bool = True) -> Iterator[pa.RecordBatch]:

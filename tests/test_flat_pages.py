@@ -1,0 +1,236 @@
+"""Flat page reads of local Lance 2.0 data files: every row as Lance reads it, or Lance reads it."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+from conftest import random_counts, write_dense
+from lance.file import LanceFileReader, LanceFileWriter
+
+import slafload.flat_pages as flat_pages
+from slafload import Loader, open_dataset
+from slafload.buffers import BytePool
+from slafload.data_files import DataFiles
+from slafload.flat_pages import FlatFile, FlatRange, flat_bits, read_ranges
+from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
+from slafload.reader import COLUMNS
+from slafload.samplers import BlockShuffle
+from slafload.tools.optimize import optimize
+
+pytestmark = pytest.mark.usefixtures("no_thread_leak")
+BACKENDS = ["numpy"] + (["numba"] if numba_available() else [])
+SCHEMA = pa.schema(
+    [("cell_integer_id", pa.uint32()), ("gene_integer_id", pa.uint16()), ("value", pa.float32())]
+)
+
+
+def write_file(path, rows: int, *, version="2.0", max_page_bytes=None, nulls=False) -> pa.Table:
+    rng = np.random.default_rng(rows)
+    values = pa.array(rng.random(rows, dtype=np.float32))
+    if nulls:
+        values = pa.array([None if i % 7 == 0 else v for i, v in enumerate(values.to_pylist())],
+                          pa.float32())  # fmt: skip
+    table = pa.table(
+        [pa.array(np.arange(rows, dtype=np.uint32) // 5),
+         pa.array(rng.integers(0, 60_000, rows).astype(np.uint16)), values],
+        schema=SCHEMA,
+    )  # fmt: skip
+    with LanceFileWriter(str(path), SCHEMA, version=version, max_page_bytes=max_page_bytes) as w:
+        w.write_batch(table)
+    return table
+
+
+@pytest.fixture(params=BACKENDS)
+def kernels(request):
+    k = Kernels(request.param)
+    prepare_reads(k)
+    yield k
+    k.close()
+
+
+def test_ranges_read_as_lance_reads_them_across_page_boundaries(tmp_path, kernels):
+    path = tmp_path / "paged.lance"
+    table = write_file(path, 20_000, max_page_bytes=8 << 10)  # pages of ~2-4k rows
+    pages = LanceFileReader(str(path)).metadata().columns[0].pages
+    assert len(pages) > 3
+    flat = FlatFile.open(str(path), SCHEMA.names)
+    assert flat is not None and flat.num_rows == 20_000
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, 20_000, 60)
+    ranges = [FlatRange(flat, int(a), int(rng.integers(0, 20_000 - a + 1))) for a in starts]
+    ranges += [FlatRange(flat, 0, 20_000), FlatRange(flat, 19_999, 1), FlatRange(flat, 7, 0)]
+    for (_, a, n), got in zip(ranges, read_ranges(ranges, kernels), strict=True):
+        assert got.schema == SCHEMA
+        assert got.equals(table.slice(a, n)), (a, n)
+    some = flat.read(123, 4_567)
+    assert some.equals(table.slice(123, 4_567))
+    with pytest.raises(IndexError):
+        flat.read(19_990, 11)
+    flat.close()
+
+
+def test_a_projection_reads_only_its_columns_in_its_order(tmp_path):
+    path = tmp_path / "f.lance"
+    table = write_file(path, 1_000)
+    flat = FlatFile.open(str(path), ["value", "gene_integer_id"])
+    assert flat is not None
+    assert flat.read(10, 90).equals(table.select(["value", "gene_integer_id"]).slice(10, 90))
+    assert FlatFile.open(str(path), ["value", "no_such_column"]) is None
+    flat.close()
+
+
+def test_files_that_are_not_flat_are_left_to_lance(tmp_path):
+    write_file(tmp_path / "v22.lance", 1_000, version="2.2")
+    write_file(tmp_path / "v21.lance", 1_000, version="2.1")
+    write_file(tmp_path / "nulls.lance", 1_000, nulls=True)
+    for name in ("v22", "v21", "nulls"):
+        assert FlatFile.open(str(tmp_path / f"{name}.lance"), SCHEMA.names) is None, name
+    nested = tmp_path / "nested.lance"
+    schema = pa.schema([("a", pa.uint32()), ("b", pa.list_(pa.uint16()))])
+    with LanceFileWriter(str(nested), schema, version="2.0") as w:
+        w.write_batch(pa.table({"a": pa.array([1, 2], pa.uint32()),
+                                "b": pa.array([[1], [2, 3]], pa.list_(pa.uint16()))}))  # fmt: skip
+    assert FlatFile.open(str(nested), ["a"]) is None  # column numbering differs: not ours
+    assert FlatFile.open(str(tmp_path / "missing.lance"), SCHEMA.names) is None
+
+
+def test_encodings_are_matched_exactly():
+    flat = ("Flat { bits_per_value: 32, buffer: Some( Buffer { buffer_index: 0, buffer_type: "
+            "Page, }, ), compression: None, }")  # fmt: skip
+    assert flat_bits(f"ArrayEncoding {{ array_encoding: Some( Flat( {flat}, ), ), }}") == 32
+    nullable = ("ArrayEncoding { array_encoding: Some( Nullable( Nullable { nullability: Some( "
+                "NoNulls( NoNull { values: Some( ArrayEncoding { array_encoding: Some( Flat( "
+                f"{flat}, ), ), }}, ), }}, ), ), }}, ), ), }}")  # fmt: skip
+    assert flat_bits(nullable) == 32
+    assert flat_bits(nullable.replace("compression: None", "compression: Some(Zstd)")) is None
+    assert flat_bits(nullable.replace("buffer_index: 0", "buffer_index: 1")) is None
+    assert flat_bits(nullable.replace("NoNulls( NoNull", "SomeNulls( SomeNull")) is None
+    assert flat_bits("PageLayout { layout: Some( MiniBlockLayout( ... ) ) }") is None
+
+
+def test_a_file_whose_flat_read_disagrees_with_lance_is_left_to_lance(
+    tmp_path, monkeypatch, caplog
+):
+    path = tmp_path / "f.lance"
+    write_file(path, 1_000)
+    real = flat_pages._column
+
+    def shifted(kind, pages, num_rows):  # misreads where the values start
+        column = real(kind, pages, num_rows)
+        return (
+            None
+            if column is None
+            else flat_pages._Column(
+                column.dtype, column.positions + column.dtype.itemsize, column.first_rows
+            )
+        )
+
+    monkeypatch.setattr(flat_pages, "_column", shifted)
+    with caplog.at_level(logging.WARNING, logger="slafload.flat_pages"):
+        assert FlatFile.open(str(path), SCHEMA.names) is None
+    assert "disagrees with Lance" in caplog.text
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_file_cut_short_after_opening_raises(tmp_path, backend):
+    path = tmp_path / "f.lance"
+    write_file(path, 50_000)
+    flat = FlatFile.open(str(path), SCHEMA.names)
+    assert flat is not None
+    os.truncate(path, 1_000)
+    kernels = Kernels(backend)
+    prepare_reads(kernels)
+    with pytest.raises(OSError, match="unexpected end of file"):
+        read_ranges([FlatRange(flat, 100, 10), FlatRange(flat, 40_000, 5_000)], kernels)
+    kernels.close()
+    flat.close()
+
+
+def test_byte_pool_reuses_a_buffer_once_no_view_of_it_is_alive():
+    pool = BytePool(keep=1 << 20)
+    a = pool.take(1_000)
+    view = a[10:20].view(np.uint16)
+    b = pool.take(500)
+    assert not np.shares_memory(a, b)  # a is in use
+    del a, view
+    c = pool.take(900)  # the first buffer is free again and large enough
+    assert pool.held == 1_500 and len(c) == 900
+    table = pa.table({"x": pa.array(c[:8].view(np.uint64))})  # Arrow keeps it alive too
+    del c
+    d = pool.take(900)
+    assert pool.held == 1_500 + 900
+    del table, d
+    big = pool.take(2 << 20)  # beyond what is kept: fresh, not held
+    assert len(big) == 2 << 20 and pool.held <= 1 << 20
+
+
+def test_byte_pool_drops_free_small_buffers_to_make_room():
+    pool = BytePool(keep=1_000)
+    pool.take(600)  # dropped at once: free
+    x = pool.take(900)
+    assert pool.held == 900 and len(x) == 900
+
+
+def test_run_without_start_never_starts_a_compile_thread():
+    kernels = Kernels("auto")
+    args = [np.zeros(0, np.int64)] * 4 + [np.zeros(0, np.uint8), np.zeros(1, np.int64)]
+    kernels.run("pread_runs", *args, start=False)  # runs if compiled, else does nothing
+    assert kernels._compiler is None  # no compile thread was started
+    assert not NUMPY.run("pread_runs", *args, start=False)
+
+
+@pytest.fixture
+def atlas20(tmp_path):
+    dense = random_counts(500, 60, seed=11, density=0.3, empty_every=19)
+    path = write_dense(tmp_path / "a.slaf", dense, max_rows_per_file=397)
+    optimize(path, progress=False)  # Lance 2.0: the flat path
+    return path
+
+
+def loader_batches(path, **config):
+    with Loader(open_dataset(path), sampler=BlockShuffle(block_size=3, fetch_factor=4),
+                batch_size=16, tokenizer="scgpt", max_genes=24, seed=5, **config) as loader:  # fmt: skip
+        return [{k: v.numpy() for k, v in batch.items()} for batch in loader]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_loader_reads_flat_files_with_identical_tokens(atlas20, monkeypatch, backend):
+    opened: list[FlatFile | None] = []
+    real_open = FlatFile.open.__func__
+
+    def spy(cls, *args, **kwargs):
+        opened.append(real_open(cls, *args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(FlatFile, "open", classmethod(spy))
+    flat = loader_batches(atlas20, kernels=backend)
+    assert opened and all(f is not None for f in opened)
+    n_opened = len(opened)
+    through_lance = loader_batches(atlas20, kernels=backend, read_flat=False)
+    assert len(opened) == n_opened  # read_flat=False never opens a file flat
+    assert len(flat) == len(through_lance) > 0
+    for x, y in zip(flat, through_lance, strict=True):
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+def test_data_files_read_flat_and_through_lance_alike(atlas20):
+    expression = lance.dataset(str(atlas20 / "expression.lance"))
+    flat = DataFiles.of(expression, COLUMNS)
+    lance_only = DataFiles.of(expression, COLUMNS, flat=False)
+    assert flat is not None and lance_only is not None
+    n = expression.count_rows()
+    rng = np.random.default_rng(3)
+    starts = np.sort(rng.integers(0, n - 50, 40))
+    rows = np.stack([starts, starts + rng.integers(1, 50, 40)], axis=1)
+    wanted = [None if i % 3 else np.array([[a, a + 1]]) for i, (a, _) in enumerate(rows.tolist())]
+    a = [pa.Table.from_batches(list(x)) for x in flat.read(rows, COLUMNS, wanted)]
+    b = [pa.Table.from_batches(list(x)) for x in lance_only.read(rows, COLUMNS, wanted)]
+    assert all(x.equals(y) for x, y in zip(a, b, strict=True))
+    assert any(isinstance(e.reader, FlatFile) for e in flat._open.values())
+    assert not any(isinstance(e.reader, FlatFile) for e in lance_only._open.values())
