@@ -140,7 +140,7 @@ class SlafDataset:
         batch_rows: int = 1 << 22,
         direct: bool | None = None,
         threads: int | None = None,
-        flat: bool = True,
+        flat: bool | None = None,
         kernels: Kernels = NUMPY,
     ) -> Reader:
         """The Lance reader of this dataset's fetches (a mixture brings one per source)."""

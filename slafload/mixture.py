@@ -215,7 +215,7 @@ class Mixture:
         batch_rows: int = 1 << 22,
         direct: bool | None = None,
         threads: int | None = None,
-        flat: bool = True,
+        flat: bool | None = None,
         kernels: Kernels = NUMPY,
     ) -> MixedReader:
         """The Lance reader of the mixture: each fetch read from its own source."""

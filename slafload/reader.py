@@ -71,7 +71,8 @@ class Reader:
         threads: Data files the direct path reads at once (:class:`DataFiles`); ``None``
             picks by storage (more on object stores).
         flat: Read local Lance 2.0 data files' plain pages without Lance's decoder
-            (:mod:`slafload.flat_pages`) on the direct path.
+            (:mod:`slafload.flat_pages`) on the direct path; ``None`` where the files fit
+            the page cache (:func:`~slafload.data_files.flat_by_default`).
         kernels: The loader's compiled kernels: flat data files are read by one kernel
             call per window of ranges.
     """
@@ -83,7 +84,7 @@ class Reader:
         batch_rows: int = 1 << 22,
         direct: bool | None = None,
         threads: int | None = None,
-        flat: bool = True,
+        flat: bool | None = None,
         kernels: Kernels = NUMPY,
     ):
         check_int("batch_rows", batch_rows)
@@ -111,7 +112,7 @@ class Reader:
                 kernels=self.kernels,
             )
             self._direct = self._files is not None
-            if self._files is not None and self.flat and not is_remote(self.dataset.uri):
+            if self._files is not None and self._files.flat:
                 prepare_reads(self.kernels)  # compiled on the loader's thread, not the reads'
 
         return self._files

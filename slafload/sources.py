@@ -104,7 +104,7 @@ class MixedReader:
         batch_rows: int = 1 << 22,
         direct: bool | None = None,
         threads: int | None = None,
-        flat: bool = True,
+        flat: bool | None = None,
         kernels: Kernels = NUMPY,
     ):
         self.offsets = offsets
