@@ -177,6 +177,8 @@ class DataFiles:
             :meth:`of` decides: :func:`flat_by_default`).
         kernels: Where flat reads find the ``pread_runs`` kernel (compiled already: the read
             threads never start a compile).
+        pool: The buffers flat reads read into (shared by a mixture's sources, so what is
+            kept stays within one pool's bound); ``None``: a pool of its own.
     """
 
     def __init__(
@@ -189,6 +191,7 @@ class DataFiles:
         *,
         flat: bool = True,
         kernels: Kernels = NUMPY,
+        pool: BytePool | None = None,
     ):
         self.paths = list(paths)
         self.starts = np.asarray(starts, dtype=np.int64)
@@ -199,7 +202,7 @@ class DataFiles:
         remote = bool(self.paths) and is_remote(self.paths[0])
         self.threads = (REMOTE_THREADS if remote else LOCAL_THREADS) if threads is None else threads
         self.flat, self.kernels = flat, kernels
-        self._pool = BytePool()  # the flat reads' buffers
+        self._pool = BytePool() if pool is None else pool  # the flat reads' buffers
         self._checked = False  # a flat file has read as Lance reads it
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
@@ -222,6 +225,7 @@ class DataFiles:
         *,
         flat: bool | None = None,
         kernels: Kernels = NUMPY,
+        pool: BytePool | None = None,
     ) -> DataFiles | None:
         """The data files of ``expression``'s pinned version, or ``None`` where reading them
         directly would not be exact (see the module docstring).
@@ -253,7 +257,9 @@ class DataFiles:
             v2_0 = v2_0 or (data.file_major_version, data.file_minor_version) == (2, 0)
         starts = np.concatenate([[0], np.cumsum(rows)])
         flat = v2_0 and (flat_by_default(paths) if flat is None else flat)
-        direct = cls(paths, starts, storage_options, max_open, threads, flat=flat, kernels=kernels)
+        direct = cls(
+            paths, starts, storage_options, max_open, threads, flat=flat, kernels=kernels, pool=pool
+        )
         try:
             stored = direct._new_reader(0, tuple(columns)).metadata().schema
         except Exception as exc:  # an unreadable file is the scan's to report, not ours

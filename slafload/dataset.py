@@ -37,6 +37,7 @@ from slafload.errors import (
 from slafload.kernels import NUMPY, Kernels
 
 if TYPE_CHECKING:
+    from slafload.buffers import BytePool
     from slafload.reader import Reader
 
 logger = logging.getLogger(__name__)
@@ -142,13 +143,13 @@ class SlafDataset:
         threads: int | None = None,
         flat: bool | None = None,
         kernels: Kernels = NUMPY,
+        pool: BytePool | None = None,
     ) -> Reader:
         """The Lance reader of this dataset's fetches (a mixture brings one per source)."""
         from slafload.reader import Reader
 
-        return Reader(
-            self, batch_rows=batch_rows, direct=direct, threads=threads, flat=flat, kernels=kernels
-        )
+        return Reader(self, batch_rows=batch_rows, direct=direct, threads=threads, flat=flat,
+                      kernels=kernels, pool=pool)  # fmt: skip
 
     def row_bytes(self, columns: list[str]) -> int:
         """Bytes of one expression row of ``columns``, as the memory budget counts them."""

@@ -37,6 +37,7 @@ import pyarrow as pa
 
 from slafload._compat import take_scan
 from slafload._validate import check_int
+from slafload.buffers import BytePool
 from slafload.data_files import DataFiles, direct_by_default, is_remote
 from slafload.dataset import SlafDataset
 from slafload.errors import ReadError, SlafloadError
@@ -75,6 +76,8 @@ class Reader:
             the page cache (:func:`~slafload.data_files.flat_by_default`).
         kernels: The loader's compiled kernels: flat data files are read by one kernel
             call per window of ranges.
+        pool: The buffers flat reads read into (a mixture's sources share one); ``None``:
+            the reader's own.
     """
 
     def __init__(
@@ -86,13 +89,14 @@ class Reader:
         threads: int | None = None,
         flat: bool | None = None,
         kernels: Kernels = NUMPY,
+        pool: BytePool | None = None,
     ):
         check_int("batch_rows", batch_rows)
         check_int("threads", threads, none_ok=True)
         self.dataset = dataset
         self.batch_rows = batch_rows
         self.threads = threads
-        self.flat, self.kernels = flat, kernels
+        self.flat, self.kernels, self.pool = flat, kernels, pool
         self._direct = direct  # None: decided on first use (it lists the data files)
         self._files: DataFiles | None = None
 
@@ -110,6 +114,7 @@ class Reader:
                 threads=self.threads,
                 flat=self.flat,
                 kernels=self.kernels,
+                pool=self.pool,
             )
             self._direct = self._files is not None
             if self._files is not None and self._files.flat:

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from slafload.buffers import BytePool
 from slafload.dataset import SlafDataset
 from slafload.kernels import NUMPY, Kernels
 from slafload.types import Chunk, ChunkTransform, Fetch
@@ -108,9 +109,15 @@ class MixedReader:
         kernels: Kernels = NUMPY,
     ):
         self.offsets = offsets
+        pool = BytePool()  # one for every source: what flat reads keep stays within its bound
         self.readers = [
             ds.reader(
-                batch_rows=batch_rows, direct=direct, threads=threads, flat=flat, kernels=kernels
+                batch_rows=batch_rows,
+                direct=direct,
+                threads=threads,
+                flat=flat,
+                kernels=kernels,
+                pool=pool,
             )
             for ds in datasets
         ]

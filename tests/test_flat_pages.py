@@ -250,3 +250,30 @@ def test_flat_reads_are_chosen_for_2_0_tables_that_fit_in_memory(atlas20, tmp_pa
     monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
     assert not flat_by_default(paths) and not DataFiles.of(expression, COLUMNS).flat
     assert DataFiles.of(expression, COLUMNS, flat=True).flat  # forced
+
+
+def test_a_mixture_of_2_0_atlases_reads_flat_with_identical_tokens(atlas20, tmp_path, monkeypatch):
+    other = write_dense(tmp_path / "b.slaf", random_counts(300, 60, seed=12, density=0.2),
+                        max_rows_per_file=233)  # fmt: skip
+    optimize(other, progress=False)
+    pools: set[int] = set()
+    real_init = DataFiles.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        pools.add(id(self._pool))
+
+    monkeypatch.setattr(DataFiles, "__init__", spy)
+
+    def run(**config):
+        with Loader([atlas20, other], sampler=BlockShuffle(block_size=4, fetch_factor=2),
+                    batch_size=16, max_genes=24, seed=9, **config) as loader:  # fmt: skip
+            return [{k: v.numpy() for k, v in batch.items()} for batch in loader]
+
+    flat = run()
+    assert len(pools) == 1  # both sources' readers share one pool
+    through_lance = run(read_flat=False)
+    assert len(flat) == len(through_lance) > 0
+    for x, y in zip(flat, through_lance, strict=True):
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key], err_msg=key)
