@@ -52,7 +52,7 @@ from lance.file import LanceFileReader
 
 from slafload._compat import file_session
 from slafload.buffers import BytePool
-from slafload.flat_pages import FlatFile, FlatRange, read_ranges
+from slafload.flat_pages import V2_0, FlatFile, FlatRange, read_ranges
 from slafload.kernels import NUMPY, Kernels
 from slafload.ranges import expand
 
@@ -254,14 +254,17 @@ class DataFiles:
                 return None
             paths.append(f"{expression.uri.rstrip('/')}/data/{data.path}")
             rows.append(meta.physical_rows)
-            v2_0 = v2_0 or (data.file_major_version, data.file_minor_version) == (2, 0)
+            v2_0 = v2_0 or (data.file_major_version, data.file_minor_version) in V2_0
         starts = np.concatenate([[0], np.cumsum(rows)])
         flat = v2_0 and (flat_by_default(paths) if flat is None else flat)
         direct = cls(
             paths, starts, storage_options, max_open, threads, flat=flat, kernels=kernels, pool=pool
         )
         try:
-            stored = direct._new_reader(0, tuple(columns)).metadata().schema
+            reader = direct._new_reader(0, tuple(columns))
+            stored = reader.metadata().schema
+            if not flat:  # the reader the reads would open first anyway
+                direct._entry(0, tuple(columns)).reader = reader
         except Exception as exc:  # an unreadable file is the scan's to report, not ours
             logger.debug("not reading data files directly: %r", exc)
             return None

@@ -178,6 +178,8 @@ def prepare_reads(kernels: Kernels) -> None:
     """Have ``kernels`` compile what :func:`slafload.flat_pages.read_ranges` runs (in the
     background, or now with ``backend="numba"``): the read threads use it once it is ready.
     """
+    if _pread is None:  # no libc pread here: the reads use os.preadv
+        return
     z = np.zeros(0, dtype=np.int64)
     kernels.prepare("pread_runs", z, z, z, z, np.zeros(0, dtype=np.uint8), np.zeros(1, np.int64))
 

@@ -277,3 +277,33 @@ def test_a_mixture_of_2_0_atlases_reads_flat_with_identical_tokens(atlas20, tmp_
     for x, y in zip(flat, through_lance, strict=True):
         for key in x:
             np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+def test_nans_at_either_end_still_agree_and_a_failing_check_leaves_the_file_to_lance(
+    tmp_path, monkeypatch
+):
+    path = tmp_path / "nan.lance"
+    table = write_file(path, 100)
+    values = table.column("value").to_numpy().copy()
+    values[[0, 99]] = np.nan
+    table = table.set_column(2, "value", pa.array(values))
+    with LanceFileWriter(str(path), SCHEMA, version="2.0") as w:
+        w.write_batch(table)
+    flat = FlatFile.open(str(path), SCHEMA.names)
+    assert flat is not None
+    np.testing.assert_array_equal(flat.read(0, 100).column("value").to_numpy(), values)
+    flat.close()
+
+    def broken(self, *args):
+        raise OSError("the check's own read failed")
+
+    monkeypatch.setattr(FlatFile, "_agrees", broken)
+    assert FlatFile.open(str(path), SCHEMA.names) is None  # no error: Lance reads it
+    assert FlatFile.open(str(path), SCHEMA.names, check=False) is not None
+
+
+def test_a_2_2_table_keeps_the_reader_it_opened_to_check_the_schema(tmp_path):
+    as_written = write_dense(tmp_path / "v22.slaf", random_counts(50, 20, seed=2))
+    files = DataFiles.of(lance.dataset(str(as_written / "expression.lance")), COLUMNS)
+    assert files is not None and not files.flat
+    assert [e.reader is not None for e in files._open.values()] == [True]
