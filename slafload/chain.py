@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from slafload.batcher import Batches, ToTorch
+from slafload.buffers import BytePool
 from slafload.chunk import Assemble, Shuffle, Split, Transform
 from slafload.config import LoaderConfig
 from slafload.dataset import SlafDataset
@@ -130,6 +131,7 @@ def build_chain(
         threads=cfg.read_threads,
         flat=cfg.read_flat,
         kernels=spec.kernels,
+        pool=BytePool(keep=cfg.memory_budget // 2),  # flat reads' buffers, within the budget
     )
     reader = RetryingReader(lance_reader, cfg.retry, uri=ds.uri, sleep=sleep)
     checked = spec.checked if cfg.check_rows == "once" else None

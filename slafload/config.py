@@ -130,7 +130,9 @@ class LoaderConfig:
             the table's data files fit in half the machine's memory, so the page cache holds
             them (block sampling 1.10x on a cached 500k-cell atlas; from disk, on a 30 GB
             5M-cell one, 0.66-0.68x: :func:`~slafload.data_files.flat_by_default`).
-            ``False`` leaves every range to Lance's file reader.
+            ``False`` leaves every range to Lance's file reader. Flat reads keep their
+            buffers for reuse (reading into fresh memory costs 3x, in page faults): up to
+            half of ``memory_budget`` of them, idle or in use, whatever the dataset's size.
         check_rows: ``"once"`` (default) or ``"always"``. Every expression row's
             ``cell_integer_id`` is compared with the cell ``cell_start_index`` places it in,
             and a mismatch raises :class:`~slafload.InconsistentDataError`. With ``"once"``

@@ -36,6 +36,7 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 
+from slafload.buffers import BytePool
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.errors import MixtureError, SchemaError, StateError, VocabularyError
 from slafload.kernels import NUMPY, Kernels
@@ -217,6 +218,7 @@ class Mixture:
         threads: int | None = None,
         flat: bool | None = None,
         kernels: Kernels = NUMPY,
+        pool: BytePool | None = None,
     ) -> MixedReader:
         """The Lance reader of the mixture: each fetch read from its own source."""
         return MixedReader(
@@ -227,6 +229,7 @@ class Mixture:
             threads=threads,
             flat=flat,
             kernels=kernels,
+            pool=pool,
         )
 
     def row_bytes(self, columns: list[str]) -> int:

@@ -107,9 +107,11 @@ class MixedReader:
         threads: int | None = None,
         flat: bool | None = None,
         kernels: Kernels = NUMPY,
+        pool: BytePool | None = None,
     ):
         self.offsets = offsets
-        pool = BytePool()  # one for every source: what flat reads keep stays within its bound
+        # One pool for every source: what flat reads keep stays within one bound.
+        pool = BytePool() if pool is None else pool
         self.readers = [
             ds.reader(
                 batch_rows=batch_rows,
