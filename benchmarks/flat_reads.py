@@ -34,6 +34,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--fetches", type=float, default=3)
     p.add_argument("--min-cells", type=int, default=60_000)
     p.add_argument("--seconds", type=float, default=20)
+    p.add_argument(
+        "--warm-cells",
+        type=int,
+        default=0,
+        help="cells before the clock (a 5M atlas opens all its files in ~1M)",
+    )
     p.add_argument("--child-timeout", type=float, default=300)
     p.add_argument("--note", default="")
     p.add_argument("--out", default=str(scale.ROOT / "benchmarks" / "results" / "flat_reads.json"))

@@ -86,7 +86,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     got = len(next(it)["input_ids"])
     first = time.perf_counter() - t0
     per_fetch = fetch_cells(args.spec, args.batch_size)
-    while got < per_fetch:  # warm-up: the rest of the first fetch
+    while got < max(per_fetch, getattr(args, "warm_cells", 0)):  # warm-up: the first fetch
         got += len(next(it)["input_ids"])
     start, cells = time.perf_counter(), 0
     target = max(args.fetches * per_fetch, args.min_cells)
@@ -111,7 +111,7 @@ def run_child(dataset: str, spec: str, args: argparse.Namespace, settings: dict)
         sys.executable, __file__, "--child", "--dataset", dataset, "--spec", spec,
         "--batch-size", str(args.batch_size), "--max-genes", str(args.max_genes),
         "--fetches", str(args.fetches), "--seconds", str(args.seconds),
-        "--min-cells", str(args.min_cells),
+        "--min-cells", str(args.min_cells), "--warm-cells", str(getattr(args, "warm_cells", 0)),
         "--settings", json.dumps(settings),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -176,6 +176,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--max-genes", type=int, default=2048)
     p.add_argument("--fetches", type=float, default=3, help="fetches' worth of cells timed")
     p.add_argument("--min-cells", type=int, default=60_000, help="...and at least this many")
+    p.add_argument(
+        "--warm-cells",
+        type=int,
+        default=0,
+        help="cells delivered before the clock starts (default: the first fetch)",
+    )
     p.add_argument("--seconds", type=float, default=20, help="...or this long, if shorter")
     p.add_argument("--child-timeout", type=float, default=240)
     p.add_argument("--settings", default="{}", help="LoaderConfig settings as JSON")

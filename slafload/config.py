@@ -126,10 +126,10 @@ class LoaderConfig:
         read_flat: Read local data files in Lance's 2.0 format (``slafload optimize``), whose
             pages are plain arrays, by ``pread`` without Lance's decoder
             (``slafload/flat_pages.py``; each file's pages checked when it is opened, the
-            first file's rows compared with Lance's read of them). ``None`` (default): when
-            the table's data files fit in half the machine's memory, so the page cache holds
-            them (block sampling 1.10x on a cached 500k-cell atlas; from disk, on a 30 GB
-            5M-cell one, 0.66-0.68x: :func:`~slafload.data_files.flat_by_default`).
+            first file's rows compared with Lance's read of them): block sampling 1.10x on a
+            cached 500k-cell atlas, 1.13-1.20x on a 5M-cell one read from disk once its
+            files are open (opening a file flat costs ~0.2 ms more than Lance's open, which
+            slows the first second of a run over thousands of files; docs/sampling.md).
             ``False`` leaves every range to Lance's file reader. Flat reads keep their
             buffers for reuse (reading into fresh memory costs 3x, in page faults): up to
             half of ``memory_budget`` of them, idle or in use, whatever the dataset's size.
@@ -168,7 +168,7 @@ class LoaderConfig:
     first_read_cells: int = 64
     read_data_files: bool | None = None
     read_threads: int | None = None
-    read_flat: bool | None = None
+    read_flat: bool = True
     check_rows: str = "once"
     kernels: str = "auto"
 
@@ -185,8 +185,8 @@ class LoaderConfig:
             raise ValueError(
                 f"read_data_files must be None, True or False, got {self.read_data_files!r}"
             )
-        if self.read_flat is not None and not isinstance(self.read_flat, bool):
-            raise ValueError(f"read_flat must be None, True or False, got {self.read_flat!r}")
+        if not isinstance(self.read_flat, bool):
+            raise ValueError(f"read_flat must be True or False, got {self.read_flat!r}")
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         choices = {

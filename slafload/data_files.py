@@ -10,9 +10,8 @@ read costs on a file whose reader is already open (numbers in docs/sampling.md, 
 (one ``int64`` per data file) and keeps a bounded LRU cache of ``lance.file.LanceFileReader``
 objects, so a range costs one ``read_range`` on an open file. Local files in Lance's 2.0
 format, whose pages are plain arrays, are opened as :class:`~slafload.flat_pages.FlatFile`
-instead where the files fit the page cache (:func:`flat_by_default`, or ``flat=True``):
-their ranges are read by ``pread`` without Lance's decoder, a window's worth by one kernel
-call, into reused buffers.
+instead (``flat=True``, the default): their ranges are read by ``pread`` without Lance's
+decoder, a window's worth by one kernel call, into reused buffers.
 
 On an object store a range read is a few sequential requests (each column's page metadata,
 then its data: ~5 for the expression table's three columns), each paying the store's latency,
@@ -35,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import resource
 import threading
 from collections import OrderedDict
@@ -87,26 +85,6 @@ def direct_by_default(expression: lance.LanceDataset) -> bool:
         return True
     versions = file_versions(expression)
     return bool(versions) and max(versions) <= (2, 0)
-
-
-def flat_by_default(paths: Sequence[str]) -> bool:
-    """Whether flat reads (:mod:`slafload.flat_pages`) suit these data files when
-    ``LoaderConfig.read_flat`` is left to decide: local files whose total size is at most half
-    the machine's memory, so that the page cache can hold them.
-
-    Flat reads save Lance's per-range CPU, which is what a cached table's block sampling
-    pays for: on the 500k-cell atlas in 2.0 (3.2 GB, 24 GiB of memory) ``BlockShuffle(16,
-    256)`` and ``(64, 256)`` ran 1.10x. Read from disk they were slower than Lance's reader:
-    on the 5M-cell atlas in 2.0 (30 GB) 0.68x and 0.66x (docs/sampling.md).
-    """
-    if not paths or any(is_remote(p) for p in paths):
-        return False
-    try:
-        total = sum(os.stat(p).st_size for p in paths)
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return 2 * total <= memory
 
 
 def file_versions(expression: lance.LanceDataset) -> set[tuple[int, int]]:
@@ -173,8 +151,8 @@ class DataFiles:
         threads: Data files read at once by :meth:`read`; ``None``: :data:`REMOTE_THREADS` on
             an object store, :data:`LOCAL_THREADS` for local paths.
         flat: Read local files whose pages are flat (Lance 2.0, :mod:`slafload.flat_pages`)
-            without Lance's decoder; ``False`` reads every file through Lance (what
-            :meth:`of` decides: :func:`flat_by_default`).
+            without Lance's decoder; ``False`` reads every file through Lance (:meth:`of`
+            passes ``False`` for a table with no 2.0 file, so none is tried).
         kernels: Where flat reads find the ``pread_runs`` kernel (compiled already: the read
             threads never start a compile).
         pool: The buffers flat reads read into (shared by a mixture's sources, so what is
@@ -223,15 +201,15 @@ class DataFiles:
         max_open: int | None = None,
         threads: int | None = None,
         *,
-        flat: bool | None = None,
+        flat: bool = True,
         kernels: Kernels = NUMPY,
         pool: BytePool | None = None,
     ) -> DataFiles | None:
         """The data files of ``expression``'s pinned version, or ``None`` where reading them
         directly would not be exact (see the module docstring).
 
-        ``flat``: read the version's Lance 2.0 files flat (:mod:`slafload.flat_pages`), if
-        it has any; ``None`` where they fit the page cache (:func:`flat_by_default`).
+        ``flat``: read the version's local Lance 2.0 files flat (:mod:`slafload.flat_pages`),
+        if it has any.
         """
         fragments = expression.get_fragments()
         if not fragments:
@@ -256,7 +234,7 @@ class DataFiles:
             rows.append(meta.physical_rows)
             v2_0 = v2_0 or (data.file_major_version, data.file_minor_version) in V2_0
         starts = np.concatenate([[0], np.cumsum(rows)])
-        flat = v2_0 and (flat_by_default(paths) if flat is None else flat)
+        flat = flat and v2_0 and not is_remote(expression.uri)
         direct = cls(
             paths, starts, storage_options, max_open, threads, flat=flat, kernels=kernels, pool=pool
         )

@@ -141,7 +141,7 @@ class SlafDataset:
         batch_rows: int = 1 << 22,
         direct: bool | None = None,
         threads: int | None = None,
-        flat: bool | None = None,
+        flat: bool = True,
         kernels: Kernels = NUMPY,
         pool: BytePool | None = None,
     ) -> Reader:

@@ -216,7 +216,7 @@ class Mixture:
         batch_rows: int = 1 << 22,
         direct: bool | None = None,
         threads: int | None = None,
-        flat: bool | None = None,
+        flat: bool = True,
         kernels: Kernels = NUMPY,
         pool: BytePool | None = None,
     ) -> MixedReader:

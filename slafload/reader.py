@@ -72,8 +72,7 @@ class Reader:
         threads: Data files the direct path reads at once (:class:`DataFiles`); ``None``
             picks by storage (more on object stores).
         flat: Read local Lance 2.0 data files' plain pages without Lance's decoder
-            (:mod:`slafload.flat_pages`) on the direct path; ``None`` where the files fit
-            the page cache (:func:`~slafload.data_files.flat_by_default`).
+            (:mod:`slafload.flat_pages`) on the direct path.
         kernels: The loader's compiled kernels: flat data files are read by one kernel
             call per window of ranges.
         pool: The buffers flat reads read into (a mixture's sources share one); ``None``:
@@ -87,7 +86,7 @@ class Reader:
         batch_rows: int = 1 << 22,
         direct: bool | None = None,
         threads: int | None = None,
-        flat: bool | None = None,
+        flat: bool = True,
         kernels: Kernels = NUMPY,
         pool: BytePool | None = None,
     ):

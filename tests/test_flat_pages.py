@@ -15,7 +15,7 @@ from lance.file import LanceFileReader, LanceFileWriter
 import slafload.flat_pages as flat_pages
 from slafload import Loader, open_dataset
 from slafload.buffers import BytePool
-from slafload.data_files import DataFiles, flat_by_default
+from slafload.data_files import DataFiles
 from slafload.flat_pages import FlatFile, FlatRange, flat_bits, read_ranges
 from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
 from slafload.reader import COLUMNS
@@ -236,20 +236,13 @@ def test_data_files_read_flat_and_through_lance_alike(atlas20):
     assert not any(isinstance(e.reader, FlatFile) for e in lance_only._open.values())
 
 
-def test_flat_reads_are_chosen_for_2_0_tables_that_fit_in_memory(atlas20, tmp_path, monkeypatch):
+def test_flat_reads_are_chosen_for_local_2_0_tables_only(atlas20, tmp_path):
     expression = lance.dataset(str(atlas20 / "expression.lance"))
-    paths = DataFiles.of(expression, COLUMNS).paths
-    assert flat_by_default(paths) and DataFiles.of(expression, COLUMNS).flat
+    assert DataFiles.of(expression, COLUMNS).flat
     assert not DataFiles.of(expression, COLUMNS, flat=False).flat
-    assert not flat_by_default([]) and not flat_by_default(["s3://bucket/a.lance"])
     as_written = write_dense(tmp_path / "v22.slaf", random_counts(50, 20, seed=2))
     v22 = lance.dataset(str(as_written / "expression.lance"))
-    assert not DataFiles.of(v22, COLUMNS, flat=True).flat  # no 2.0 file: never tried
-    total = sum(os.stat(p).st_size for p in paths)
-    pages = {"SC_PAGE_SIZE": 1, "SC_PHYS_PAGES": 2 * total - 1}  # memory just too small
-    monkeypatch.setattr(os, "sysconf", lambda name: pages[name])
-    assert not flat_by_default(paths) and not DataFiles.of(expression, COLUMNS).flat
-    assert DataFiles.of(expression, COLUMNS, flat=True).flat  # forced
+    assert not DataFiles.of(v22, COLUMNS).flat  # no 2.0 file: never tried
 
 
 def test_a_mixture_of_2_0_atlases_reads_flat_with_identical_tokens(atlas20, tmp_path, monkeypatch):

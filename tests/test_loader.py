@@ -182,7 +182,7 @@ def test_settings_are_validated_with_clear_messages(small_slaf):
         LoaderConfig(n_epochs=0)
     with pytest.raises(ValueError, match="read_data_files must be None, True or False"):
         LoaderConfig(read_data_files="yes")
-    with pytest.raises(ValueError, match="read_flat must be None, True or False"):
+    with pytest.raises(ValueError, match="read_flat must be True or False"):
         LoaderConfig(read_flat="yes")
     with pytest.raises(TypeError, match="unknown settings \\['batchsize'\\]"):
         Loader(small_slaf, batchsize=3)
