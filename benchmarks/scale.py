@@ -7,9 +7,10 @@ opens the dataset, builds a :class:`slafload.Loader`, and reports
 * ``first_batch_s``: from the start of ``Loader(...)`` (which opens the dataset) to the first
   batch in hand (imports, torch's ~1 s included, are done before: a training script has; so
   is numba's start-up, :func:`slafload.kernels.warm_up`, where numba kernels are in use);
-* ``cells_per_s``: steady state, after a warm-up of one fetch's worth of cells, over at least
-  ``--fetches`` fetches' worth of cells and ``--min-cells`` cells, or ``--seconds`` seconds,
-  whichever ends first;
+* ``cells_per_s``: after a warm-up of one fetch's worth of cells (or ``--warm-cells``, if
+  more: on a 5M atlas a block sampler opens its thousands of data files over the first ~1M
+  cells), over at least ``--fetches`` fetches' worth of cells and ``--min-cells`` cells, or
+  ``--seconds`` seconds, whichever ends first;
 * ``peak_rss_mb``: ``ru_maxrss`` of the child.
 
 The parent also times building an epoch's plan at 100M and 1B cells (index arithmetic only:
