@@ -32,7 +32,7 @@ from slafload.partition import Part
 from slafload.ranges import RangeSet
 from slafload.ranking import RankGenes
 from slafload.read import Read, RetryingReader
-from slafload.reader import COLUMNS
+from slafload.reader import COLUMNS, ReadOptions
 from slafload.stage import Stage
 from slafload.tokenize import Tokenize
 from slafload.types import Batch, ChunkTransform, Tokenizer
@@ -126,12 +126,14 @@ def build_chain(
     """
     cfg, ds = spec.config, spec.dataset
     lance_reader = ds.reader(
-        batch_rows=cfg.read_batch_rows,
-        direct=cfg.read_data_files,
-        threads=cfg.read_threads,
-        flat=cfg.read_flat,
-        kernels=spec.kernels,
-        pool=BytePool(keep=cfg.memory_budget // 2),  # flat reads' buffers, within the budget
+        ReadOptions(
+            batch_rows=cfg.read_batch_rows,
+            direct=cfg.read_data_files,
+            threads=cfg.read_threads,
+            flat=cfg.read_flat,
+            kernels=spec.kernels,
+            pool=BytePool(keep=cfg.memory_budget // 2),  # flat reads' buffers, in the budget
+        )
     )
     reader = RetryingReader(lance_reader, cfg.retry, uri=ds.uri, sleep=sleep)
     checked = spec.checked if cfg.check_rows == "once" else None

@@ -179,7 +179,7 @@ class DataFiles:
             raise ValueError(f"max_open must be >= 1, got {self.max_open}")
         remote = bool(self.paths) and is_remote(self.paths[0])
         self.threads = (REMOTE_THREADS if remote else LOCAL_THREADS) if threads is None else threads
-        self.flat, self.kernels = flat, kernels
+        self.flat, self.kernels = flat and not remote, kernels  # pread reads local files
         self._pool = BytePool() if pool is None else pool  # the flat reads' buffers
         self._checked = False  # a flat file has read as Lance reads it
         if self.threads < 1:
@@ -234,7 +234,7 @@ class DataFiles:
             rows.append(meta.physical_rows)
             v2_0 = v2_0 or (data.file_major_version, data.file_minor_version) in V2_0
         starts = np.concatenate([[0], np.cumsum(rows)])
-        flat = flat and v2_0 and not is_remote(expression.uri)
+        flat = flat and v2_0
         direct = cls(
             paths, starts, storage_options, max_open, threads, flat=flat, kernels=kernels, pool=pool
         )
@@ -410,7 +410,7 @@ class DataFiles:
         file allows it (local Lance 2.0 files, :mod:`slafload.flat_pages`), else Lance's.
         """
         if entry.reader is None:
-            if self.flat and not is_remote(self.paths[index]):
+            if self.flat:
                 entry.reader = FlatFile.open(self.paths[index], cols, check=not self._checked)
                 self._checked = self._checked or entry.reader is not None
             if entry.reader is None:

@@ -34,11 +34,9 @@ from slafload.errors import (
     MissingTableError,
     SchemaError,
 )
-from slafload.kernels import NUMPY, Kernels
 
 if TYPE_CHECKING:
-    from slafload.buffers import BytePool
-    from slafload.reader import Reader
+    from slafload.reader import Reader, ReadOptions
 
 logger = logging.getLogger(__name__)
 
@@ -135,21 +133,11 @@ class SlafDataset:
         )
         return codes.to_numpy(), categories.to_list()
 
-    def reader(
-        self,
-        *,
-        batch_rows: int = 1 << 22,
-        direct: bool | None = None,
-        threads: int | None = None,
-        flat: bool = True,
-        kernels: Kernels = NUMPY,
-        pool: BytePool | None = None,
-    ) -> Reader:
+    def reader(self, options: ReadOptions | None = None) -> Reader:
         """The Lance reader of this dataset's fetches (a mixture brings one per source)."""
         from slafload.reader import Reader
 
-        return Reader(self, batch_rows=batch_rows, direct=direct, threads=threads, flat=flat,
-                      kernels=kernels, pool=pool)  # fmt: skip
+        return Reader(self, options)
 
     def row_bytes(self, columns: list[str]) -> int:
         """Bytes of one expression row of ``columns``, as the memory budget counts them."""

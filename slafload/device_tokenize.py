@@ -150,9 +150,6 @@ class DeviceTokens:
         )  # fmt: skip
         return {**tokens, **moved}
 
-    def close(self) -> None:
-        """Nothing of its own runs in the background."""
-
 
 _TORCH = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
 

@@ -195,9 +195,6 @@ class TokenStage(Protocol):
     ) -> dict[str, torch.Tensor]:
         """The consumer's last step: the batch's tensors, on ``device``."""
 
-    def close(self) -> None:
-        """End any thread of the stage's own (a chain's last stage calls it); reusable after."""
-
 
 @dataclass(frozen=True, eq=False)
 class Tokenized:
@@ -262,21 +259,15 @@ class HostTokens:
             return dict(batch)
         return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
 
-    def close(self) -> None:
-        """End the kernels' compile thread, if any."""
-        self.kernels.close()
-
 
 def _narrow(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Token rows (2-D ``int64``) in ``dtype``; per-cell arrays unchanged."""
     return array.astype(dtype) if array.ndim == 2 and array.dtype == np.int64 else array
 
 
-def make_token_stage(
-    tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernels | None = None
-) -> TokenStage:
-    """The token stage ``config.tokenize_on`` and ``config.layout`` ask for (its kernels
-    ``kernels``, else its own of ``config.kernels``).
+def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernels) -> TokenStage:
+    """The token stage ``config.tokenize_on`` and ``config.layout`` ask for, its per-cell
+    loops run through ``kernels`` (whose owner closes them).
     """
     layout = make_layout(config.layout, config.token_dtype)
     if config.tokenize_on == "device":
@@ -287,7 +278,7 @@ def make_token_stage(
         tokenizer,
         layout,
         RowBuffers(rows=config.piece_cells),
-        Kernels(config.kernels) if kernels is None else kernels,
+        kernels,
     )
 
 
@@ -302,14 +293,11 @@ class LayOut(Stage[dict[str, np.ndarray]]):
         return self.tokens.finish(next(self.source))
 
     def close(self) -> None:
-        """Close the stages before, then end the token stage's own threads and the chain's
-        kernels' compile thread (the token worker and the producer have stopped by then, so
-        nothing starts a new one; the read threads never do).
+        """Close the stages before, then end the chain's kernels' compile thread (the token
+        worker and the producer have stopped by then, so nothing starts a new one; the read
+        threads never do).
         """
         try:
             super().close()
         finally:
-            try:
-                self.tokens.close()
-            finally:
-                self.kernels.close()
+            self.kernels.close()

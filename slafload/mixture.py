@@ -36,10 +36,9 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 
-from slafload.buffers import BytePool
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.errors import MixtureError, SchemaError, StateError, VocabularyError
-from slafload.kernels import NUMPY, Kernels
+from slafload.reader import ReadOptions
 from slafload.samplers.mixed import MixtureSampler
 from slafload.sources import CellColumn, GlobalOffsets, MixedReader, PerSource
 from slafload.transforms.lognorm import LogNormalize
@@ -210,27 +209,9 @@ class Mixture:
         """None: each source keeps its own storage options."""
         return None
 
-    def reader(
-        self,
-        *,
-        batch_rows: int = 1 << 22,
-        direct: bool | None = None,
-        threads: int | None = None,
-        flat: bool = True,
-        kernels: Kernels = NUMPY,
-        pool: BytePool | None = None,
-    ) -> MixedReader:
+    def reader(self, options: ReadOptions | None = None) -> MixedReader:
         """The Lance reader of the mixture: each fetch read from its own source."""
-        return MixedReader(
-            self.offsets,
-            self.datasets,
-            batch_rows=batch_rows,
-            direct=direct,
-            threads=threads,
-            flat=flat,
-            kernels=kernels,
-            pool=pool,
-        )
+        return MixedReader(self.offsets, self.datasets, options)
 
     def row_bytes(self, columns: list[str]) -> int:
         """Bytes of the widest source's expression row, as the memory budget counts them."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import numpy as np
@@ -59,11 +60,12 @@ DIRECT_SCAN_FROM_ROWS = 1 << 20  # ...or this long, when open file readers read 
 COMPACT_FROM = 8  # spans reading this many times their wanted rows keep only those, at once
 
 
-class Reader:
-    """Reads whole cells from a pinned :class:`SlafDataset`.
+@dataclass(frozen=True, eq=False)
+class ReadOptions:
+    """How a :class:`Reader` reads: the loader's ``read_*`` settings and what it shares with
+    its readers (a mixture hands the same options to every source's reader).
 
-    Args:
-        dataset: The opened dataset; its pinned Lance version is read.
+    Attributes:
         batch_rows: Rows per Arrow record batch requested from Lance.
         direct: Read short spans from the data files with open file readers
             (:mod:`slafload.data_files`) where that is exact; ``False`` always uses
@@ -75,28 +77,31 @@ class Reader:
             (:mod:`slafload.flat_pages`) on the direct path.
         kernels: The loader's compiled kernels: flat data files are read by one kernel
             call per window of ranges.
-        pool: The buffers flat reads read into (a mixture's sources share one); ``None``:
-            the reader's own.
+        pool: The buffers flat reads read into (shared by the readers given it); ``None``:
+            each reader's own.
     """
 
-    def __init__(
-        self,
-        dataset: SlafDataset,
-        *,
-        batch_rows: int = 1 << 22,
-        direct: bool | None = None,
-        threads: int | None = None,
-        flat: bool = True,
-        kernels: Kernels = NUMPY,
-        pool: BytePool | None = None,
-    ):
-        check_int("batch_rows", batch_rows)
-        check_int("threads", threads, none_ok=True)
+    batch_rows: int = 1 << 22
+    direct: bool | None = None
+    threads: int | None = None
+    flat: bool = True
+    kernels: Kernels = NUMPY
+    pool: BytePool | None = None
+
+    def __post_init__(self) -> None:
+        check_int("batch_rows", self.batch_rows)
+        check_int("threads", self.threads, none_ok=True)
+
+
+class Reader:
+    """Reads whole cells from a pinned :class:`SlafDataset`, as ``options`` say
+    (:class:`ReadOptions`; ``None``: the defaults).
+    """
+
+    def __init__(self, dataset: SlafDataset, options: ReadOptions | None = None):
         self.dataset = dataset
-        self.batch_rows = batch_rows
-        self.threads = threads
-        self.flat, self.kernels, self.pool = flat, kernels, pool
-        self._direct = direct  # None: decided on first use (it lists the data files)
+        self.options = ReadOptions() if options is None else options
+        self._direct = self.options.direct  # None: decided on first use (lists the data files)
         self._files: DataFiles | None = None
 
     def data_files(self) -> DataFiles | None:
@@ -106,19 +111,19 @@ class Reader:
         if self._direct is None:
             self._direct = direct_by_default(self.dataset.expression)
         if self._direct and self._files is None:
+            o = self.options
             self._files = DataFiles.of(
                 self.dataset.expression,
                 COLUMNS,
                 storage_options=self.dataset.storage_options,
-                threads=self.threads,
-                flat=self.flat,
-                kernels=self.kernels,
-                pool=self.pool,
+                threads=o.threads,
+                flat=o.flat,
+                kernels=o.kernels,
+                pool=o.pool,
             )
             self._direct = self._files is not None
             if self._files is not None and self._files.flat:
-                prepare_reads(self.kernels)  # compiled on the loader's thread, not the reads'
-
+                prepare_reads(o.kernels)  # compiled on the loader's thread, not the reads'
         return self._files
 
     def row_ranges(self, fetch: Fetch) -> np.ndarray:
@@ -161,8 +166,8 @@ class Reader:
             columns=columns,
             offset=start,
             limit=stop - start,
-            batch_size=self.batch_rows,
-            batch_readahead=max(16, -(-(stop - start) // self.batch_rows)),  # the whole range
+            batch_size=self.options.batch_rows,
+            batch_readahead=max(16, -(-(stop - start) // self.options.batch_rows)),  # all of it
             scan_in_order=True,
         )
         return iter(scanner.to_batches())

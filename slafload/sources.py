@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 
 from slafload.buffers import BytePool
 from slafload.dataset import SlafDataset
-from slafload.kernels import NUMPY, Kernels
+from slafload.reader import ReadOptions
 from slafload.types import Chunk, ChunkTransform, Fetch
 
 
@@ -101,28 +101,13 @@ class MixedReader:
         self,
         offsets: np.ndarray,
         datasets: Sequence[SlafDataset],
-        *,
-        batch_rows: int = 1 << 22,
-        direct: bool | None = None,
-        threads: int | None = None,
-        flat: bool = True,
-        kernels: Kernels = NUMPY,
-        pool: BytePool | None = None,
+        options: ReadOptions | None = None,
     ):
         self.offsets = offsets
-        # One pool for every source: what flat reads keep stays within one bound.
-        pool = BytePool() if pool is None else pool
-        self.readers = [
-            ds.reader(
-                batch_rows=batch_rows,
-                direct=direct,
-                threads=threads,
-                flat=flat,
-                kernels=kernels,
-                pool=pool,
-            )
-            for ds in datasets
-        ]
+        options = ReadOptions() if options is None else options
+        if options.pool is None:  # one pool for every source: flat reads keep one bound's worth
+            options = dataclasses.replace(options, pool=BytePool())
+        self.readers = [ds.reader(options) for ds in datasets]
 
     def read(self, fetch: Fetch, *, cell_ids: bool = True) -> Iterator[pa.RecordBatch]:
         """The record batches of ``fetch``, read from its source, with global cell ids

@@ -13,7 +13,7 @@ from conftest import csr_from_dense, random_counts, unsorted_csr, write_dense
 import slafload.chunk
 from slafload import InconsistentDataError, open_dataset
 from slafload.chunk import assemble, shuffle
-from slafload.reader import Reader
+from slafload.reader import Reader, ReadOptions
 from slafload.samplers import ChunkShuffle, Fetch
 from slafload.tools.writer import CsrBlock, write_slaf
 
@@ -24,7 +24,7 @@ def test_cells_split_across_tiny_fragments_arrive_whole(tmp_path):
     ds = open_dataset(path)
     assert len(ds.expression.get_fragments()) > 100
     plan = ChunkShuffle(chunk_cells=17).plan(ds.n_cells, seed=0, epoch=0)
-    reader = Reader(ds, batch_rows=5)
+    reader = Reader(ds, ReadOptions(batch_rows=5))
     seen = []
     for fetch in plan:
         chunk = assemble(fetch, reader.read(fetch), ds.cell_start)
@@ -41,7 +41,9 @@ def test_cells_split_across_tiny_fragments_arrive_whole(tmp_path):
 def read_all(path):
     ds = open_dataset(path)
     fetch = Fetch(0, np.array([[0, ds.n_cells]]))
-    return assemble(fetch, Reader(ds, batch_rows=7).read(fetch), ds.cell_start, n_genes=ds.n_genes)
+    return assemble(
+        fetch, Reader(ds, ReadOptions(batch_rows=7)).read(fetch), ds.cell_start, n_genes=ds.n_genes
+    )
 
 
 def cell_rows(chunk, i):

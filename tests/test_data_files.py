@@ -16,7 +16,7 @@ from conftest import random_counts, write_dense
 
 from slafload import open_dataset
 from slafload.data_files import DataFiles
-from slafload.reader import COLUMNS, Reader
+from slafload.reader import COLUMNS, Reader, ReadOptions
 from slafload.samplers import BlockShuffle
 
 
@@ -76,7 +76,7 @@ def test_repeated_and_scattered_cells_read_in_order_across_file_boundaries(datas
     cells = np.sort(np.concatenate([rng.choice(500, 40), straddle, straddle[::2]]))
     fetch = Fetch(0, np.stack([cells, cells + 1], axis=1))
     got = rows_of(list(Reader(dataset).read(fetch)))
-    want = rows_of(list(Reader(dataset, direct=False).read(fetch)))
+    want = rows_of(list(Reader(dataset, ReadOptions(direct=False)).read(fetch)))
     assert len(straddle) > 5 and got.equals(want)
 
 
@@ -88,7 +88,7 @@ def test_scattered_cells_keep_only_their_rows_in_memory(dataset):
     cells = np.arange(0, 500, 25)
     fetch = Fetch(0, np.stack([cells, cells + 1], axis=1))
     got = list(Reader(dataset).read(fetch))
-    want = rows_of(list(Reader(dataset, direct=False).read(fetch)))
+    want = rows_of(list(Reader(dataset, ReadOptions(direct=False)).read(fetch)))
     assert rows_of(got).equals(want)
     held = sum(b.get_total_buffer_size() for b in got)
     assert held <= 2 * want.nbytes < dataset.cell_start[-1]  # not the span's ~20x
@@ -104,7 +104,7 @@ def test_a_tiny_reader_cache_still_reads_exactly(dataset):
 
 
 def test_the_reader_takes_the_direct_path_and_its_fetches_match_take_scan(dataset):
-    direct, scan = Reader(dataset), Reader(dataset, direct=False)
+    direct, scan = Reader(dataset), Reader(dataset, ReadOptions(direct=False))
     plan = BlockShuffle(block_size=4, fetch_factor=2, batch_size=8).plan(500, seed=1, epoch=0)
     for fetch in plan:
         got, want = rows_of(list(direct.read(fetch))), rows_of(list(scan.read(fetch)))

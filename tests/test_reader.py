@@ -11,7 +11,7 @@ from conftest import random_counts, write_dense
 
 import slafload.reader
 from slafload import ReadError, open_dataset
-from slafload.reader import Reader, coalesce
+from slafload.reader import Reader, ReadOptions, coalesce
 from slafload.samplers import Fetch
 
 
@@ -69,7 +69,7 @@ def test_long_spans_go_through_the_open_file_readers_on_local_files(
 ):
     monkeypatch.setattr(slafload.reader, "SCAN_FROM_ROWS", 40)
     monkeypatch.setattr(slafload.reader, "DIRECT_SCAN_FROM_ROWS", 10**6)
-    reader, scans = Reader(dataset, direct=direct), []
+    reader, scans = Reader(dataset, ReadOptions(direct=direct)), []
     scan = reader._scan
     monkeypatch.setattr(reader, "_scan", lambda *a: scans.append(a) or scan(*a))
     fetch = Fetch(0, np.array([[0, 30], [200, 201]], dtype=np.int64))  # a span over 40 rows

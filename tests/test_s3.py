@@ -14,7 +14,7 @@ from conftest import random_counts, write_dense
 
 from slafload import ConfigError, Loader, open_dataset
 from slafload.data_files import REMOTE_THREADS
-from slafload.reader import COLUMNS, Reader
+from slafload.reader import COLUMNS, Reader, ReadOptions
 from slafload.samplers import BlockShuffle
 
 boto3 = pytest.importorskip("boto3")
@@ -59,7 +59,9 @@ def test_a_dataset_on_s3_yields_the_tokens_of_its_local_copy(tmp_path, s3_endpoi
     np.testing.assert_array_equal(remote.cell_start, open_dataset(local).cell_start)
     # Lance 2.2 files on an object store: take_scan by default (fewer requests per range)...
     assert Reader(remote).data_files() is None and Reader(open_dataset(local)).data_files()
-    files = Reader(remote, direct=True).data_files()  # ...and the direct path works there too
+    files = Reader(
+        remote, ReadOptions(direct=True)
+    ).data_files()  # ...and the direct path works there too
     assert files is not None and files.n_files > 1 and files.threads == REMOTE_THREADS
     rows = np.array([[0, 7], [150, 420], [600, 601]], dtype=np.int64)  # across files
     local_files = Reader(open_dataset(local)).data_files()

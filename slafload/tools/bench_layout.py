@@ -20,6 +20,7 @@ Library code never prints; the benchmark driver (:mod:`slafload.tools.bench`) re
 from __future__ import annotations
 
 import time
+from contextlib import closing
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ import slafload
 from slafload.batcher import Batcher
 from slafload.chunk import assemble, shuffle
 from slafload.config import LoaderConfig
+from slafload.kernels import Kernels
 from slafload.layout import make_token_stage
 from slafload.ranking import rank
 from slafload.reader import Reader
@@ -123,34 +125,39 @@ def producer_cost(
     config = LoaderConfig(
         layout=layout, tokenize_on=tokenize_on, max_genes=max_genes, token_dtype=token_dtype
     )
-    stage = make_token_stage(make_tokenizer(tokenizer, max_genes=max_genes), config)
-    plan = slafload.samplers.ChunkShuffle(chunk_cells=config.chunk_cells).plan(
-        ds.n_cells, seed=0, epoch=0
-    )
-    reader, times, cells = Reader(ds), dict.fromkeys(["rank", "tokenize", "batch+layout"], 0.0), 0
-    for fetch in plan[:n_fetches]:
-        batches = list(reader.read(fetch))
-        chunk = shuffle(assemble(fetch, batches, ds.cell_start), fetch.shuffle_seed)
-        best = [float("inf")] * 3
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            pending = stage.start(chunk) if tokenize_on == "device" else _Ranked(rank(chunk))
-            t1 = time.perf_counter()
-            arrays, cell_ids = stage.rows(pending)
-            arrays["cell_integer_id"] = cell_ids
-            t2 = time.perf_counter()
-            batcher = Batcher(batch_size)
-            for batch in [*batcher.add(arrays), *batcher.finish()]:
-                {
-                    k: torch.from_numpy(np.ascontiguousarray(v))
-                    for k, v in stage.finish(batch).items()
-                }
-            t3 = time.perf_counter()
-            best = [min(b, t) for b, t in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True)]
-        for key, dt in zip(times, best, strict=True):
-            times[key] += dt
-        cells += chunk.n_cells
-    return {k: v / cells * 1e6 for k, v in times.items()}
+    with closing(Kernels(config.kernels)) as kernels:
+        stage = make_token_stage(make_tokenizer(tokenizer, max_genes=max_genes), config, kernels)
+        plan = slafload.samplers.ChunkShuffle(chunk_cells=config.chunk_cells).plan(
+            ds.n_cells, seed=0, epoch=0
+        )
+        reader, times, cells = (
+            Reader(ds),
+            dict.fromkeys(["rank", "tokenize", "batch+layout"], 0.0),
+            0,
+        )
+        for fetch in plan[:n_fetches]:
+            batches = list(reader.read(fetch))
+            chunk = shuffle(assemble(fetch, batches, ds.cell_start), fetch.shuffle_seed)
+            best = [float("inf")] * 3
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                pending = stage.start(chunk) if tokenize_on == "device" else _Ranked(rank(chunk))
+                t1 = time.perf_counter()
+                arrays, cell_ids = stage.rows(pending)
+                arrays["cell_integer_id"] = cell_ids
+                t2 = time.perf_counter()
+                batcher = Batcher(batch_size)
+                for batch in [*batcher.add(arrays), *batcher.finish()]:
+                    {
+                        k: torch.from_numpy(np.ascontiguousarray(v))
+                        for k, v in stage.finish(batch).items()
+                    }
+                t3 = time.perf_counter()
+                best = [min(b, t) for b, t in zip(best, (t1 - t0, t2 - t1, t3 - t2), strict=True)]
+            for key, dt in zip(times, best, strict=True):
+                times[key] += dt
+            cells += chunk.n_cells
+        return {k: v / cells * 1e6 for k, v in times.items()}
 
 
 def layout_report(
