@@ -50,7 +50,7 @@ from lance.file import LanceFileReader
 
 from slafload._compat import file_session
 from slafload.buffers import BytePool
-from slafload.flat_pages import V2_0, FlatFile, FlatRange, read_ranges
+from slafload.flat_pages import V2_0, FlatFile, FlatFiles, FlatRange, read_ranges
 from slafload.kernels import NUMPY, Kernels
 from slafload.ranges import expand
 
@@ -181,7 +181,7 @@ class DataFiles:
         self.threads = (REMOTE_THREADS if remote else LOCAL_THREADS) if threads is None else threads
         self.flat, self.kernels = flat and not remote, kernels  # pread reads local files
         self._pool = BytePool() if pool is None else pool  # the flat reads' buffers
-        self._checked = False  # a flat file has read as Lance reads it
+        self._flat_files = FlatFiles()  # opens the flat files; learns their format from the first
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self._open: OrderedDict[tuple[int, tuple[str, ...]], _Open] = OrderedDict()
@@ -411,8 +411,7 @@ class DataFiles:
         """
         if entry.reader is None:
             if self.flat:
-                entry.reader = FlatFile.open(self.paths[index], cols, check=not self._checked)
-                self._checked = self._checked or entry.reader is not None
+                entry.reader = self._flat_files.open(self.paths[index], cols)
             if entry.reader is None:
                 entry.reader = self._new_reader(index, cols)
         return entry.reader

@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import struct
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,11 +85,13 @@ class FlatFile:
     CPython: a reader the cache evicts is closed once no read thread holds it).
     """
 
-    def __init__(self, path: str, schema: pa.Schema, columns: Sequence[_Column]):
+    def __init__(
+        self, path: str, schema: pa.Schema, columns: Sequence[_Column], fd: int | None = None
+    ):
         self.path = path
         self.schema = schema
         self._columns = list(columns)
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.fd = _open_fd(path) if fd is None else fd  # owned from here on
         self._closer = weakref.finalize(self, os.close, self.fd)
 
     @classmethod
@@ -101,8 +105,17 @@ class FlatFile:
         every file; each row's place is what the chunk stage checks against
         ``cell_start_index``).
         """
+        return cls._open(path, columns, check=check)[0]
+
+    @classmethod
+    def _open(
+        cls, path: str, columns: Sequence[str], *, check: bool
+    ) -> tuple[FlatFile | None, FileFormat | None]:
+        """:meth:`open`, and the file's :class:`FileFormat` where the file is read flat and
+        its footer, parsed here, lists exactly the pages Lance's metadata lists.
+        """
         if not hasattr(os, "preadv"):
-            return None  # not on this platform (Windows)
+            return None, None  # not on this platform (Windows)
         flat: FlatFile | None = None
         try:
             reader = LanceFileReader(path)
@@ -110,17 +123,17 @@ class FlatFile:
             stored = meta.schema
             version = (getattr(meta, "major_version", None), getattr(meta, "minor_version", None))
             if version not in V2_0:
-                return None
+                return None, None
             if len(meta.columns) != len(stored) or not all(_fixed(f.type) for f in stored):
-                return None  # one column per field only when every field is a flat primitive
+                return None, None  # one column per field only when each field is a flat primitive
             picked = []
             for name in columns:
                 index = stored.get_field_index(name)
                 if index < 0:
-                    return None
+                    return None, None
                 column = _column(stored.field(index).type, meta.columns[index].pages, meta.num_rows)
                 if column is None:
-                    return None
+                    return None, None
                 picked.append(column)
             schema = pa.schema([stored.field(name) for name in columns])
             flat = cls(path, schema, picked)
@@ -129,12 +142,17 @@ class FlatFile:
             logger.debug("not reading %s flat: %r", path, exc)
             if flat is not None:
                 flat.close()
-            return None
+            return None, None
         if not agrees:
             flat.close()
             logger.warning("the flat read of %s disagrees with Lance's; Lance reads it", path)
-            return None
-        return flat
+            return None, None
+        try:
+            form = FileFormat.learn(flat.fd, meta)
+        except Exception as exc:  # a footer this does not parse: Lance's metadata each time
+            logger.debug("no flat format from %s: %r", path, exc)
+            form = None
+        return flat, form
 
     @property
     def num_rows(self) -> int:
@@ -211,6 +229,280 @@ def _column(kind: pa.DataType, pages: Sequence, num_rows: int) -> _Column | None
         return None
     first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
     return _Column(dtype, np.asarray(positions, dtype=np.int64), first)
+
+
+def _open_fd(path: str) -> int:
+    return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+
+# The footer of a Lance 2.x data file (lance-file's v2 writer): where the column metadata, the
+# column metadata offset table and the global buffer offset table start, how many global
+# buffers and columns, the format's (major, minor), then b"LANC".
+_FOOTER = struct.Struct("<QQQIIHH4s")
+_TAIL = 16 << 10  # bytes read from a file's end to find its metadata (more only if it is larger)
+
+
+class _Page(NamedTuple):
+    positions: list[int]  # file offset of each of the page's buffers
+    sizes: list[int]  # and its bytes
+    rows: int
+    encoding: bytes  # the page's ``Encoding`` message, as written
+
+
+class _Footer(NamedTuple):
+    """What :func:`_parse_footer` reads of a data file's metadata."""
+
+    version: tuple[int, int]
+    schema: bytes  # the ``FileDescriptor.schema`` message, as written
+    num_rows: int
+    columns: list[tuple[bytes, list[_Page]]]  # per column: its ``ColumnEncoding``, its pages
+
+
+def _parse_footer(fd: int) -> _Footer:
+    """The metadata of the Lance 2.x data file open as ``fd``, parsed from its bytes: one or
+    two ``pread`` calls and a walk of a few hundred bytes of protobuf (lance-file's
+    ``file2.proto``: ``ColumnMetadata{encoding=1, pages=2}``, ``Page{buffer_offsets=1,
+    buffer_sizes=2, length=3, encoding=4}``; global buffer 0 is ``FileDescriptor{schema=1,
+    length=2}``). Raises ``ValueError`` on anything it does not recognise.
+    """
+    size = os.fstat(fd).st_size
+    if size < _FOOTER.size:
+        raise ValueError("too short for a Lance file")
+    base = max(0, size - _TAIL)
+    tail = os.pread(fd, size - base, base)
+    meta_at, cmo_at, gbo_at, n_global, n_columns, major, minor, magic = _FOOTER.unpack_from(
+        tail, len(tail) - _FOOTER.size
+    )
+    if magic != b"LANC" or n_global < 1 or not meta_at <= cmo_at <= gbo_at < size:
+        raise ValueError("not a Lance 2.x footer")
+    if gbo_at + 16 * n_global > size or cmo_at + 16 * n_columns > gbo_at:
+        raise ValueError("offset tables out of bounds")
+    if gbo_at < base:
+        base, tail = gbo_at, os.pread(fd, size - gbo_at, gbo_at)
+    global_at, global_size = struct.unpack_from("<QQ", tail, gbo_at - base)
+    first = min(meta_at, global_at)
+    if first < base:  # the metadata did not fit in the tail read: read all of it
+        base, tail = first, os.pread(fd, size - first, first)
+    if len(tail) != size - base or global_at + global_size > size:
+        raise ValueError("metadata out of bounds")
+    view = memoryview(tail)
+
+    def span(at: int, n: int) -> memoryview:
+        if at < base or at + n > size:
+            raise ValueError("metadata out of bounds")
+        return view[at - base : at - base + n]
+
+    descriptor = dict(_message(span(global_at, global_size)))
+    schema, num_rows = descriptor.get(1), descriptor.get(2)
+    if not isinstance(schema, bytes) or not isinstance(num_rows, int):
+        raise ValueError("no file descriptor")
+    table = struct.unpack_from(f"<{2 * n_columns}Q", tail, cmo_at - base)
+    columns = []
+    for at, n in zip(table[::2], table[1::2], strict=True):
+        encoding, pages = b"", []
+        for number, value in _message(span(at, n)):
+            if number == 1 and isinstance(value, bytes):
+                encoding = value
+            elif number == 2 and isinstance(value, bytes):
+                pages.append(_page(value))
+        columns.append((encoding, pages))
+    return _Footer((major, minor), schema, num_rows, columns)
+
+
+def _page(message: bytes) -> _Page:
+    positions: list[int] = []
+    sizes: list[int] = []
+    rows, encoding = 0, b""
+    for number, value in _message(message):
+        if number in (1, 2):
+            into = positions if number == 1 else sizes
+            into.extend(_packed(value) if isinstance(value, bytes) else [value])
+        elif number == 3 and isinstance(value, int):
+            rows = value
+        elif number == 4 and isinstance(value, bytes):
+            encoding = value
+    return _Page(positions, sizes, rows, encoding)
+
+
+def _varint(data: bytes | memoryview, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _packed(data: bytes) -> list[int]:
+    values, i = [], 0
+    while i < len(data):
+        value, i = _varint(data, i)
+        values.append(value)
+    return values
+
+
+def _message(data: bytes | memoryview) -> list[tuple[int, int | bytes]]:
+    """The ``(field number, value)`` pairs of a protobuf message: varints as ``int``,
+    length-delimited fields as ``bytes``, fixed-width ones as their little-endian ``int``.
+    """
+    fields: list[tuple[int, int | bytes]] = []
+    i, end = 0, len(data)
+    while i < end:
+        key, i = _varint(data, i)
+        number, wire = key >> 3, key & 7
+        value: int | bytes
+        if wire == 0:
+            value, i = _varint(data, i)
+        elif wire == 2:
+            n, i = _varint(data, i)
+            if i + n > end:
+                raise ValueError("truncated protobuf")
+            value, i = bytes(data[i : i + n]), i + n
+        elif wire in (1, 5):
+            n = 8 if wire == 1 else 4
+            if i + n > end:
+                raise ValueError("truncated protobuf")
+            value, i = int.from_bytes(data[i : i + n], "little"), i + n
+        else:
+            raise ValueError(f"protobuf wire type {wire}")
+        fields.append((number, value))
+    return fields
+
+
+@dataclass(frozen=True)
+class FileFormat:
+    """What the data files of one table written flat share, learned from one file whose
+    pages Lance's own metadata describes as flat (:meth:`learn`): the schema and column
+    encodings as written, and each column's page encodings, byte for byte. :meth:`open`
+    opens another file by parsing its footer alone, where it matches.
+    """
+
+    schema: pa.Schema  # as Lance reads it
+    written_schema: bytes
+    column_encodings: tuple[bytes, ...]
+    page_encodings: tuple[frozenset[bytes], ...]  # per column: every flat page's encoding
+
+    @classmethod
+    def learn(cls, fd: int, meta) -> FileFormat | None:
+        """The format of the file open as ``fd``, whose Lance metadata is ``meta``, or
+        ``None`` unless the footer parsed here lists exactly the pages (buffers, rows) that
+        ``meta`` lists and Lance describes every page of every column as flat.
+        """
+        footer = _parse_footer(fd)
+        (major, minor) = footer.version
+        if (major, minor) not in V2_0 or footer.num_rows != meta.num_rows:
+            return None
+        if len(footer.columns) != len(meta.columns) or len(meta.columns) != len(meta.schema):
+            return None
+        encodings = []
+        for field, (_, pages), theirs in zip(
+            meta.schema, footer.columns, meta.columns, strict=True
+        ):
+            if not _fixed(field.type) or len(pages) != len(theirs.pages):
+                return None
+            width = np.dtype(field.type.to_pandas_dtype()).itemsize
+            for page, their in zip(pages, theirs.pages, strict=True):
+                listed = [(b.position, b.size) for b in their.buffers]
+                if list(zip(page.positions, page.sizes, strict=True)) != listed:
+                    return None
+                if flat_bits(their.encoding) != 8 * width or page.sizes != [page.rows * width]:
+                    return None
+            encodings.append(frozenset(page.encoding for page in pages))
+        return cls(
+            meta.schema, footer.schema, tuple(e for e, _ in footer.columns), tuple(encodings)
+        )
+
+    def open(self, path: str, columns: Sequence[str]) -> FlatFile | None:
+        """The flat reader of ``columns`` of the data file at ``path``, from its footer
+        alone, or ``None`` unless its schema, column encodings and every page's encoding
+        are this format's, byte for byte, each page one buffer of its rows' values, and
+        the pages add up to the file's rows.
+        """
+        fd = _open_fd(path)
+        try:
+            footer = _parse_footer(fd)
+            picked = self._columns(footer, columns)
+        except Exception as exc:  # anything unexpected: opened as the first file was
+            logger.debug("no flat footer for %s: %r", path, exc)
+            picked = None
+        if picked is None:
+            os.close(fd)
+            return None
+        return FlatFile(path, pa.schema([self.schema.field(n) for n in columns]), picked, fd)
+
+    def _columns(self, footer: _Footer, columns: Sequence[str]) -> list[_Column] | None:
+        if footer.version not in V2_0 or footer.schema != self.written_schema:
+            return None
+        if len(footer.columns) != len(self.column_encodings):
+            return None
+        picked = []
+        for name in columns:
+            index = self.schema.get_field_index(name)
+            if index < 0:
+                return None
+            encoding, pages = footer.columns[index]
+            if encoding != self.column_encodings[index]:
+                return None
+            dtype = np.dtype(self.schema.field(index).type.to_pandas_dtype()).newbyteorder("<")
+            rows = [page.rows for page in pages]
+            if sum(rows) != footer.num_rows or not all(
+                page.encoding in self.page_encodings[index]
+                and len(page.positions) == 1
+                and page.sizes == [page.rows * dtype.itemsize]
+                for page in pages
+            ):
+                return None
+            first = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]).astype(np.int64)
+            positions = np.asarray([page.positions[0] for page in pages], dtype=np.int64)
+            picked.append(_Column(dtype, positions, first))
+        return picked
+
+
+class FlatFiles:
+    """Opens the local data files of one table flat where they allow it.
+
+    The first file that reads flat is opened as :meth:`FlatFile.open` opens a file: Lance's
+    metadata, then its first and last rows read both ways and compared. Its footer, parsed
+    here, must list exactly the pages Lance listed; it then becomes the table's
+    :class:`FileFormat`, and every later file is opened from its own footer alone (one or two
+    ``pread`` calls and a few hundred bytes of protobuf: ~0.03 ms, against ~0.4 ms for a
+    ``LanceFileReader`` and its metadata; a block sampler opens thousands of files in an
+    epoch's first seconds). A file whose footer does not match the format byte for byte is
+    opened through Lance's metadata instead (without the row check). Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._format: FileFormat | None = None
+        self._checked = False  # a file has read as Lance reads it
+        self._lock = threading.Lock()
+
+    @property
+    def format(self) -> FileFormat | None:
+        """The table's format, once a file has taught it."""
+        return self._format
+
+    def open(self, path: str, columns: Sequence[str]) -> FlatFile | None:
+        """The flat reader of ``columns`` of the data file at ``path``, or ``None`` where
+        the file is not one this reads exactly (then read it with Lance).
+        """
+        form = self._format
+        if form is not None:
+            flat = form.open(path, columns)
+            if flat is not None:
+                return flat
+        if self._checked:
+            flat, learned = FlatFile._open(path, columns, check=False)
+        else:
+            with self._lock:  # the first file read flat is checked row by row, once
+                flat, learned = FlatFile._open(path, columns, check=not self._checked)
+                self._checked = self._checked or flat is not None
+        if self._format is None and learned is not None:
+            self._format = learned
+        return flat
 
 
 class FlatRange(NamedTuple):

@@ -169,7 +169,7 @@ def warm_up() -> bool:
     kernels = Kernels("numba")
     empty = np.zeros(0, np.int64)
     kernels.run("fill_runs", np.zeros(1, np.int64), empty, empty, 0)
-    prepare_reads(kernels)  # not cacheable on disk: compiled per process (~0.1 s)
+    prepare_reads(kernels)
     kernels.close()
     return True
 
@@ -178,15 +178,19 @@ def prepare_reads(kernels: Kernels) -> None:
     """Have ``kernels`` compile what :func:`slafload.flat_pages.read_ranges` runs (in the
     background, or now with ``backend="numba"``): the read threads use it once it is ready.
     """
-    if _pread is None:  # no libc pread here: the reads use os.preadv
+    if not _HAS_PREAD:  # no libc pread here: the reads use os.preadv
         return
     z = np.zeros(0, dtype=np.int64)
     kernels.prepare("pread_runs", z, z, z, z, np.zeros(0, dtype=np.uint8), np.zeros(1, np.int64))
 
 
 def _import_numba() -> Any:
+    global _pread
     import numba
 
+    if _HAS_PREAD and _pread is None:
+        t = numba.types
+        _pread = t.ExternalFunction("pread", t.intp(t.int32, t.voidptr, t.uintp, t.int64))
     return _COMPILED.setdefault(_IMPORT, numba)
 
 
@@ -205,8 +209,6 @@ def _compile(key: tuple) -> Any:
     if key in _COMPILED:
         return _COMPILED[key]
     try:  # numba's on-disk cache: beside this file, else in the user's cache directory
-        if key[0] in _NOT_CACHED:
-            raise RuntimeError("not cacheable")
         dispatcher = numba.njit(nogil=True, cache=True)(_KERNELS[key[0]])  # type: ignore[type-var]
     except RuntimeError:  # "no locator available": nowhere writable, so compile every time
         dispatcher = numba.njit(nogil=True)(_KERNELS[key[0]])  # type: ignore[type-var]
@@ -279,20 +281,22 @@ def _quantile_bins(values: np.ndarray, indptr: np.ndarray, n_bins: int, offset: 
             out[i] = k + offset
 
 
-def _libc_pread() -> Any:
-    """libc's ``pread`` as a ctypes function numba can call; ``None`` where there is none."""
+def _has_libc_pread() -> bool:
+    """Whether this process has libc's ``pread`` (not on Windows)."""
     if sys.platform == "win32":
-        return None
+        return False
     try:
-        pread = ctypes.CDLL(None, use_errno=True).pread
+        return ctypes.CDLL(None).pread is not None
     except (OSError, AttributeError):
-        return None
-    pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int64]
-    pread.restype = ctypes.c_ssize_t
-    return pread
+        return False
 
 
-_pread = _libc_pread()
+_HAS_PREAD = _has_libc_pread()
+_pread: Any = None
+"""libc's ``pread(int, void *, size_t, off_t) -> ssize_t`` as numba calls it: declared by
+:func:`_import_numba` as an external function found by its name when the kernel is loaded, not
+by an address baked into the code, so numba can cache the kernel on disk (loaded in ~2 ms
+instead of compiled in 0.1-0.4 s per process; a ctypes function could not be cached)."""
 
 
 def _pread_runs(fds: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, where: np.ndarray,
@@ -305,7 +309,7 @@ def _pread_runs(fds: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, where: 
     for i in range(len(fds)):
         got = 0
         while got < sizes[i]:
-            n = _pread(fds[i], base + where[i] + got, sizes[i] - got, offsets[i] + got)
+            n = _pread(np.int32(fds[i]), base + where[i] + got, sizes[i] - got, offsets[i] + got)
             if n <= 0:
                 failed[0] = i
                 return
@@ -313,7 +317,6 @@ def _pread_runs(fds: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, where: 
     failed[0] = -1
 
 
-_NOT_CACHED = {"pread_runs"}  # calls a ctypes function: numba cannot cache it (~0.1 s to compile)
 _KERNELS = {
     "copy_runs_1": _copy_runs_1,
     "copy_runs_2": _copy_runs_2,

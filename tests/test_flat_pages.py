@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import lance
 import numpy as np
@@ -13,10 +15,11 @@ from conftest import random_counts, write_dense
 from lance.file import LanceFileReader, LanceFileWriter
 
 import slafload.flat_pages as flat_pages
+import slafload.kernels
 from slafload import Loader, open_dataset
 from slafload.buffers import BytePool
 from slafload.data_files import DataFiles
-from slafload.flat_pages import FlatFile, FlatRange, flat_bits, read_ranges
+from slafload.flat_pages import FlatFile, FlatFiles, FlatRange, flat_bits, read_ranges
 from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
 from slafload.reader import COLUMNS
 from slafload.samplers import BlockShuffle
@@ -136,6 +139,98 @@ def test_a_file_whose_flat_read_disagrees_with_lance_is_left_to_lance(
     assert "disagrees with Lance" in caplog.text
 
 
+def test_files_after_the_first_open_from_their_footers_and_read_as_lance_reads_them(
+    tmp_path, monkeypatch
+):
+    tables = {}
+    for i, (rows, page_bytes) in enumerate([(3_000, None), (20_000, 8 << 10), (1, None),
+                                            (100_000, 2 << 10), (5_000, 4 << 10)]):  # fmt: skip
+        path = str(tmp_path / f"{i}.lance")
+        tables[path] = write_file(path, rows, max_page_bytes=page_bytes)
+    paths = list(tables)
+    # ~150 pages a column: more metadata than the first tail read, so a second read of it
+    assert len(LanceFileReader(paths[3]).metadata().columns[0].pages) > 100
+    through_lance = []
+    real_open = FlatFile._open.__func__
+
+    def spy(cls, path, *args, **kwargs):
+        through_lance.append(path)
+        return real_open(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(FlatFile, "_open", classmethod(spy))
+    files = FlatFiles()
+    opened = [files.open(path, SCHEMA.names) for path in paths]
+    assert through_lance == paths[:1] and files.format is not None  # only the first
+    projected = files.open(paths[1], ["value", "cell_integer_id"])
+    assert projected is not None and through_lance == paths[:1]
+    assert projected.read(5, 1_000).equals(
+        tables[paths[1]].select(["value", "cell_integer_id"]).slice(5, 1_000)
+    )
+    rng = np.random.default_rng(1)
+    for flat, path in zip(opened, paths, strict=True):
+        assert flat is not None
+        table, n = tables[path], tables[path].num_rows
+        assert flat.read(0, n).equals(table)
+        assert flat.read(0, n).equals(LanceFileReader(path).read_all().to_table())
+        starts = rng.integers(0, n, 20)
+        ranges = [FlatRange(flat, int(a), int(rng.integers(0, n - a + 1))) for a in starts]
+        for (_, a, m), got in zip(ranges, read_ranges(ranges), strict=True):
+            assert got.equals(table.slice(a, m)), (path, a, m)
+        with pytest.raises(IndexError):
+            flat.read(n, 1)
+        flat.close()
+
+
+def test_a_file_unlike_the_format_is_opened_through_lance_or_left_to_it(tmp_path):
+    first = str(tmp_path / "first.lance")
+    write_file(first, 1_000)
+    files = FlatFiles()
+    assert files.open(first, SCHEMA.names) is not None
+    form = files.format
+    assert form is not None
+    wide = str(tmp_path / "wide.lance")  # another schema: float64 values
+    schema = pa.schema([("cell_integer_id", pa.uint32()), ("gene_integer_id", pa.uint16()),
+                        ("value", pa.float64())])  # fmt: skip
+    table = pa.table([pa.array(np.arange(500, dtype=np.uint32)),
+                      pa.array(np.arange(500, dtype=np.uint16)),
+                      pa.array(np.linspace(0, 1, 500))], schema=schema)  # fmt: skip
+    with LanceFileWriter(wide, schema, version="2.0") as w:
+        w.write_batch(table)
+    assert form.open(wide, SCHEMA.names) is None
+    flat = files.open(wide, SCHEMA.names)  # Lance's metadata still finds it flat
+    assert flat is not None and flat.read(0, 500).equals(table)
+    flat.close()
+    nulls = str(tmp_path / "nulls.lance")
+    write_file(nulls, 1_000, nulls=True)
+    assert form.open(nulls, SCHEMA.names) is None and files.open(nulls, SCHEMA.names) is None
+    for name, damage in [("magic", lambda b: b[:-1] + b"X"), ("short", lambda b: b[-30:]),
+                         ("metadata", lambda b: b[:-200] + bytes(160) + b[-40:]),
+                         ("offsets", lambda b: b[:-40] + bytes([255] * 24) + b[-16:])]:  # fmt: skip
+        broken = tmp_path / f"{name}.lance"
+        broken.write_bytes(damage((tmp_path / "first.lance").read_bytes()))
+        assert form.open(str(broken), SCHEMA.names) is None, name  # no error: Lance's turn
+
+
+def test_a_footer_that_lists_other_pages_than_lance_teaches_no_format(tmp_path, monkeypatch):
+    paths = [str(tmp_path / f"{i}.lance") for i in range(3)]
+    for path in paths:
+        write_file(path, 2_000, max_page_bytes=4 << 10)
+    real = flat_pages._page
+
+    def shifted(message):  # misreads where a page starts
+        page = real(message)
+        return page._replace(positions=[p + 4 for p in page.positions])
+
+    monkeypatch.setattr(flat_pages, "_page", shifted)
+    files = FlatFiles()
+    opened = [files.open(path, SCHEMA.names) for path in paths]
+    assert files.format is None  # so every file is opened through Lance's metadata
+    for flat, path in zip(opened, paths, strict=True):
+        assert flat is not None
+        assert flat.read(0, 2_000).equals(LanceFileReader(path).read_all().to_table())
+        flat.close()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_file_cut_short_after_opening_raises(tmp_path, backend):
     path = tmp_path / "f.lance"
@@ -184,6 +279,35 @@ def test_run_without_start_never_starts_a_compile_thread():
     assert not NUMPY.run("pread_runs", *args, start=False)
 
 
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+def test_the_read_kernel_is_cached_on_disk_and_loads_in_a_new_process():
+    code = (
+        "from slafload import kernels as k\n"
+        "x = k.Kernels('numba'); k.prepare_reads(x)\n"
+        "(d,) = [v for key, v in k._COMPILED.items() if key[0] == 'pread_runs']\n"
+        "print(sum(d.stats.cache_hits.values()), sum(d.stats.cache_misses.values()))\n"
+    )
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, timeout=120) for _ in range(2)]  # fmt: skip
+    hits, misses = map(int, runs[1].stdout.split())
+    assert (hits, misses) == (1, 0), runs[1].stdout  # the second process loaded it
+
+
+def test_without_libc_pread_the_reads_use_preadv(tmp_path, monkeypatch):
+    monkeypatch.setattr(slafload.kernels, "_HAS_PREAD", False)
+    kernels = Kernels("auto")
+    prepare_reads(kernels)  # nothing to compile
+    assert kernels._compiler is None
+    path = tmp_path / "f.lance"
+    table = write_file(path, 1_000)
+    flat = FlatFile.open(str(path), SCHEMA.names)
+    assert flat is not None
+    (got,) = read_ranges([FlatRange(flat, 10, 900)], kernels)
+    assert got.equals(table.slice(10, 900))
+    flat.close()
+    kernels.close()
+
+
 @pytest.fixture
 def atlas20(tmp_path):
     dense = random_counts(500, 60, seed=11, density=0.3, empty_every=19)
@@ -201,13 +325,13 @@ def loader_batches(path, **config):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_loader_reads_flat_files_with_identical_tokens(atlas20, monkeypatch, backend):
     opened: list[FlatFile | None] = []
-    real_open = FlatFile.open.__func__
+    real_open = FlatFiles.open
 
-    def spy(cls, *args, **kwargs):
-        opened.append(real_open(cls, *args, **kwargs))
+    def spy(self, *args, **kwargs):
+        opened.append(real_open(self, *args, **kwargs))
         return opened[-1]
 
-    monkeypatch.setattr(FlatFile, "open", classmethod(spy))
+    monkeypatch.setattr(FlatFiles, "open", spy)
     flat = loader_batches(atlas20, kernels=backend)
     assert opened and all(f is not None for f in opened)
     n_opened = len(opened)
