@@ -16,6 +16,14 @@ boolean field anywhere in the file, a 2.1+ file (mini-block pages, compressed), 
 store. :meth:`FlatFile.open` checks each file's encodings and page sizes against its row
 count and schema, then reads the file's first and last rows both ways and requires them
 equal before it is used; anything else returns ``None`` and the caller keeps Lance's reader.
+
+A block sampler on a large atlas opens thousands of data files in an epoch's first seconds,
+and a ``LanceFileReader`` with its metadata costs ~0.4 ms of CPU each. :class:`FlatFiles`
+opens the first file of a table that way and learns the table's :class:`FileFormat` from it
+(its footer parsed here must list exactly the pages Lance listed); every later file is then
+opened from its own footer, parsed here (one or two ``pread`` calls and a few hundred bytes
+of protobuf: ~0.03 ms cached), and read flat only if its schema and encodings are the
+format's, byte for byte.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import pytest
 from conftest import random_counts, write_dense
 from lance.file import LanceFileReader, LanceFileWriter
 
+import slafload.data_files as data_files
 import slafload.flat_pages as flat_pages
 import slafload.kernels
 from slafload import Loader, open_dataset
@@ -358,6 +359,35 @@ def test_data_files_read_flat_and_through_lance_alike(atlas20):
     assert all(x.equals(y) for x, y in zip(a, b, strict=True))
     assert any(isinstance(e.reader, FlatFile) for e in flat._open.values())
     assert not any(isinstance(e.reader, FlatFile) for e in lance_only._open.values())
+
+
+def test_flat_reads_of_spans_read_only_the_rows_kept(atlas20):
+    expression = lance.dataset(str(atlas20 / "expression.lance"))
+    flat = DataFiles.of(expression, COLUMNS, threads=1)
+    lance_only = DataFiles.of(expression, COLUMNS, flat=False, threads=1)
+    assert flat is not None and lance_only is not None
+    n = expression.count_rows()
+    rows = np.array([[0, 900], [1_000, 2_500], [2_600, n]], dtype=np.int64)  # across files
+    wanted = [np.array([[3, 5], [100, 180], [850, 900]]), np.zeros((0, 2), np.int64),
+              np.array([[2_600, 2_601], [n - 40, n]])]  # fmt: skip
+    kept_rows = sum(int((w[:, 1] - w[:, 0]).sum()) for w in wanted)
+    schema = pa.schema([expression.schema.field(c) for c in COLUMNS])
+    a = [pa.Table.from_batches(list(x), schema) for x in flat.read(rows, COLUMNS, wanted)]
+    b = [pa.Table.from_batches(list(x), schema) for x in lance_only.read(rows, COLUMNS, wanted)]
+    for x, y, w in zip(a, b, wanted, strict=True):
+        assert x.num_rows == y.num_rows == int((w[:, 1] - w[:, 0]).sum())
+        assert x.num_rows == 0 or x.equals(y)
+    row_bytes = sum(f.type.bit_width // 8 for f in schema)
+    assert flat._pool.held <= kept_rows * row_bytes + 64 * 8 * 3  # no gap rows were read
+    assert flat._pool.held < (n - 2_600) * row_bytes / 10
+
+
+def test_windows_are_cut_at_a_piece_count_and_a_row_count():
+    files = [(0, [(0, 0, 10), (1, 10, 10)]), (1, [(2, 0, 100), (3, 100, 5), (4, 105, 5)]),
+             (2, [(5, 0, 1), (6, 1, 1), (7, 2, 1), (8, 3, 1)])]  # fmt: skip
+    cut = data_files._windows(files, 3, first=True, max_rows=50)
+    assert [[k for _, k, _, _ in w] for w in cut] == [[0], [1], [2], [3, 4, 5], [6, 7, 8]]
+    assert sum(len(w) for w in data_files._windows(files, 2, first=False)) == 9
 
 
 def test_flat_reads_are_chosen_for_local_2_0_tables_only(atlas20, tmp_path):
