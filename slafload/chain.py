@@ -131,6 +131,7 @@ def build_chain(
             direct=cfg.read_data_files,
             threads=cfg.read_threads,
             flat=cfg.read_flat,
+            mini=cfg.read_mini_blocks,
             kernels=spec.kernels,
             pool=BytePool(keep=cfg.memory_budget // 2),  # flat reads' buffers, in the budget
         )

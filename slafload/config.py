@@ -126,13 +126,18 @@ class LoaderConfig:
         read_flat: Read local data files in Lance's 2.0 format (``slafload optimize``), whose
             pages are plain arrays, by ``pread`` without Lance's decoder
             (``slafload/flat_pages.py``; each file's pages checked when it is opened, the
-            first file's rows compared with Lance's read of them): block sampling 1.10x on a
-            cached 500k-cell atlas, 1.13-1.20x on a 5M-cell one read from disk once its
-            files are open (opening a file flat costs ~0.2 ms more than Lance's open, which
-            slows the first second of a run over thousands of files; docs/sampling.md).
-            ``False`` leaves every range to Lance's file reader. Flat reads keep their
-            buffers for reuse (reading into fresh memory costs 3x, in page faults): up to
-            half of ``memory_budget`` of them, idle or in use, whatever the dataset's size.
+            first file's rows compared with Lance's read of them, later files opened from
+            their own footers): block sampling 1.10x on a cached 500k-cell atlas, 1.09-1.42x
+            on a 5M-cell one read from disk (docs/sampling.md). ``False`` leaves every range
+            to Lance's file reader. Flat reads keep their buffers for reuse (reading into
+            fresh memory costs 3x, in page faults): up to half of ``memory_budget`` of them,
+            idle or in use, whatever the dataset's size.
+        read_mini_blocks: With ``read_flat`` and numba, also decode the mini-block pages of
+            local Lance 2.1+ files (what converters write) in slafload, by a numba kernel
+            (``slafload/miniblock.py``), instead of Lance's decoder. Off by default: on the
+            5M-cell atlas as written it is 1.13x Lance's reader at ``BlockShuffle(16, 256)``
+            and 1.00x at ``(64, 256)`` once the files are open, but slower over a run's first
+            seconds and ~150 MB higher in peak RSS (docs/sampling.md).
         check_rows: ``"once"`` (default) or ``"always"``. Every expression row's
             ``cell_integer_id`` is compared with the cell ``cell_start_index`` places it in,
             and a mismatch raises :class:`~slafload.InconsistentDataError`. With ``"once"``
@@ -169,6 +174,7 @@ class LoaderConfig:
     read_data_files: bool | None = None
     read_threads: int | None = None
     read_flat: bool = True
+    read_mini_blocks: bool = False
     check_rows: str = "once"
     kernels: str = "auto"
 
@@ -185,8 +191,9 @@ class LoaderConfig:
             raise ValueError(
                 f"read_data_files must be None, True or False, got {self.read_data_files!r}"
             )
-        if not isinstance(self.read_flat, bool):
-            raise ValueError(f"read_flat must be True or False, got {self.read_flat!r}")
+        for name in ("read_flat", "read_mini_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         choices = {

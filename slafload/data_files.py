@@ -50,7 +50,7 @@ from lance.file import LanceFileReader
 
 from slafload._compat import file_session
 from slafload.buffers import BytePool
-from slafload.flat_pages import V2_0, FlatFile, FlatFiles, FlatRange, read_ranges
+from slafload.flat_pages import V2_0, V2_1, FlatFile, FlatFiles, FlatRange, read_ranges
 from slafload.kernels import NUMPY, Kernels
 from slafload.ranges import expand
 
@@ -106,6 +106,7 @@ class _Open:
 
     reader: LanceFileReader | FlatFile | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
+    provisional: bool = False  # Lance's reader until the mini-block decoder is ready
 
 
 def default_max_open(n_files: int | None = None) -> int:
@@ -158,6 +159,11 @@ class DataFiles:
             threads never start a compile).
         pool: The buffers flat reads read into (shared by a mixture's sources, so what is
             kept stays within one pool's bound); ``None``: a pool of its own.
+        versions: Each data file's Lance format ``(major, minor)``, where known (:meth:`of`
+            passes them): a 2.1+ file is then not tried flat until the mini-block decoder
+            is loaded.
+        mini: Flat reads decode 2.1+ files' mini-block pages too (:mod:`slafload.miniblock`),
+            by ``kernels``' ``decode_chunks`` once it is loaded (Lance's reader until then).
     """
 
     def __init__(
@@ -171,8 +177,11 @@ class DataFiles:
         flat: bool = True,
         kernels: Kernels = NUMPY,
         pool: BytePool | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        mini: bool = False,
     ):
         self.paths = list(paths)
+        self._v2_0 = None if versions is None else [v in V2_0 for v in versions]
         self.starts = np.asarray(starts, dtype=np.int64)
         self.storage_options = dict(storage_options) if storage_options else None
         self.max_open = default_max_open(len(self.paths)) if max_open is None else max_open
@@ -182,7 +191,8 @@ class DataFiles:
         self.threads = (REMOTE_THREADS if remote else LOCAL_THREADS) if threads is None else threads
         self.flat, self.kernels = flat and not remote, kernels  # pread reads local files
         self._pool = BytePool() if pool is None else pool  # the flat reads' buffers
-        self._flat_files = FlatFiles()  # opens the flat files; learns their format from the first
+        self._flat_files = FlatFiles(mini=mini and kernels.backend == "numba")  # opens them
+        self._decoder = False  # the mini-block decode kernel is loaded
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         self._open: OrderedDict[tuple[int, tuple[str, ...]], _Open] = OrderedDict()
@@ -205,12 +215,15 @@ class DataFiles:
         flat: bool = True,
         kernels: Kernels = NUMPY,
         pool: BytePool | None = None,
+        mini: bool = False,
     ) -> DataFiles | None:
         """The data files of ``expression``'s pinned version, or ``None`` where reading them
         directly would not be exact (see the module docstring).
 
-        ``flat``: read the version's local Lance 2.0 files flat (:mod:`slafload.flat_pages`),
-        if it has any.
+        ``flat``: read the version's local files without Lance's decoder where exact
+        (:mod:`slafload.flat_pages`): Lance 2.0 files, and with ``mini`` 2.1+ files when
+        ``kernels`` are numba's (their mini-block pages decoded by a kernel,
+        :mod:`slafload.miniblock`; the numpy decoder is the reference, slower than Lance's).
         """
         fragments = expression.get_fragments()
         if not fragments:
@@ -218,7 +231,9 @@ class DataFiles:
         paths: list[str] = []
         rows: list[int] = []
         fields: list[int] | None = None  # the field ids of every data file
-        v2_0 = False  # any data file in Lance 2.0, the format flat reads read
+        mini = mini and kernels.backend == "numba"  # 2.1+ pages are decoded by a kernel
+        readable = False  # any data file in a format flat reads read
+        versions: list[tuple[int, int]] = []
         for fragment in fragments:
             meta = fragment.metadata
             files = meta.files
@@ -233,12 +248,12 @@ class DataFiles:
                 return None
             paths.append(f"{expression.uri.rstrip('/')}/data/{data.path}")
             rows.append(meta.physical_rows)
-            v2_0 = v2_0 or (data.file_major_version, data.file_minor_version) in V2_0
+            versions.append((data.file_major_version, data.file_minor_version))
+            readable = readable or versions[-1] in V2_0 or (mini and versions[-1] in V2_1)
         starts = np.concatenate([[0], np.cumsum(rows)])
-        flat = flat and v2_0
-        direct = cls(
-            paths, starts, storage_options, max_open, threads, flat=flat, kernels=kernels, pool=pool
-        )
+        flat = flat and readable
+        direct = cls(paths, starts, storage_options, max_open, threads, flat=flat,
+                     kernels=kernels, pool=pool, versions=versions, mini=mini)  # fmt: skip
         try:
             reader = direct._new_reader(0, tuple(columns))
             stored = reader.metadata().schema
@@ -437,12 +452,24 @@ class DataFiles:
         """``entry``'s reader of data file ``index``, opened on first use: flat where the
         file allows it (local Lance 2.0 files, :mod:`slafload.flat_pages`), else Lance's.
         """
-        if entry.reader is None:
-            if self.flat:
-                entry.reader = self._flat_files.open(self.paths[index], cols)
-            if entry.reader is None:
+        if entry.reader is None or (entry.provisional and self._decoder_ready()):
+            flat = None
+            # A 2.1+ file opened before the decoder is loaded (numba's import takes ~0.5 s)
+            # is read by Lance meanwhile, not by the numpy decoder (~5x slower).
+            mini = self._flat_files.mini and self._decoder_ready()
+            if self.flat and (mini or self._v2_0 is None or self._v2_0[index]):
+                flat = self._flat_files.open(self.paths[index], cols, mini=mini)
+            entry.provisional = self.flat and self._flat_files.mini and not mini
+            if flat is not None:
+                entry.reader = flat
+            elif entry.reader is None:
                 entry.reader = self._new_reader(index, cols)
         return entry.reader
+
+    def _decoder_ready(self) -> bool:
+        if not self._decoder:
+            self._decoder = self.kernels.ready("decode_chunks")
+        return self._decoder
 
 
 def _pieces_kept(

@@ -34,7 +34,7 @@ import re
 import struct
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -42,13 +42,16 @@ import numpy as np
 import pyarrow as pa
 from lance.file import LanceFileReader
 
+from slafload import miniblock
 from slafload.buffers import BytePool, fresh
 from slafload.kernels import NUMPY, Kernels
 
 logger = logging.getLogger(__name__)
 
 V2_0 = {(0, 3), (2, 0)}  # the 2.0 format's (major, minor) in file metadata (0.3 in its footer)
+V2_1 = {(2, 1), (2, 2)}  # formats whose pages are mini-block pages (slafload.miniblock)
 CHECK_ROWS = 16  # rows compared with Lance's own read at each end of a file when it is opened
+CHECK_MINI_ROWS = 1 << 14  # ...at the start of a 2.1+ file (several chunks of every kind)
 
 _FLAT = (
     r"Flat\{bits_per_value:(\d+),"
@@ -81,8 +84,18 @@ class _Column:
     """One column's pages: where each starts in the file and at which row."""
 
     dtype: np.dtype
-    positions: np.ndarray  # int64[pages]: byte offset of each page's values
+    positions: np.ndarray  # int64[pages]: byte offset of each page's values (2.0)
     first_rows: np.ndarray  # int64[pages + 1]: row of each page's first value; then the count
+    mini: tuple[miniblock.MiniPage, ...] | None = None  # 2.1+: each page's chunks
+
+    def pieces(self, start: int, rows: int) -> Iterator[tuple[int, int, int]]:
+        """``(page, first row in the page, rows)`` of rows ``[start, start + rows)``."""
+        page = int(np.searchsorted(self.first_rows, start, side="right")) - 1
+        row, stop = start, start + rows
+        while row < stop:
+            end = min(stop, int(self.first_rows[page + 1]))
+            yield page, row - int(self.first_rows[page]), end - row
+            row, page = end, page + 1
 
 
 class FlatFile:
@@ -103,7 +116,9 @@ class FlatFile:
         self._closer = weakref.finalize(self, os.close, self.fd)
 
     @classmethod
-    def open(cls, path: str, columns: Sequence[str], *, check: bool = True) -> FlatFile | None:
+    def open(
+        cls, path: str, columns: Sequence[str], *, check: bool = True, mini: bool = True
+    ) -> FlatFile | None:
         """The flat reader of ``columns`` of the data file at ``path``, or ``None`` where the
         file is not one this reads exactly (then read it with Lance).
 
@@ -111,16 +126,18 @@ class FlatFile:
         ``read_range`` calls, about doubling the open's cost); a caller opening many files
         of one table checks the first (the encodings and their reading are the same in
         every file; each row's place is what the chunk stage checks against
-        ``cell_start_index``).
+        ``cell_start_index``). ``mini``: a 2.1+ file whose pages are all mini-block pages
+        :mod:`slafload.miniblock` decodes is read too (its first 16k rows then checked).
         """
-        return cls._open(path, columns, check=check)[0]
+        return cls._open(path, columns, check=check, mini=mini)[0]
 
     @classmethod
     def _open(
-        cls, path: str, columns: Sequence[str], *, check: bool
+        cls, path: str, columns: Sequence[str], *, check: bool, mini: bool = True
     ) -> tuple[FlatFile | None, FileFormat | None]:
         """:meth:`open`, and the file's :class:`FileFormat` where the file is read flat and
-        its footer, parsed here, lists exactly the pages Lance's metadata lists.
+        its footer, parsed here, lists exactly the pages Lance's metadata lists. ``mini``:
+        2.1+ files' mini-block pages are decoded here too (:mod:`slafload.miniblock`).
         """
         if not hasattr(os, "preadv"):
             return None, None  # not on this platform (Windows)
@@ -130,22 +147,37 @@ class FlatFile:
             meta = reader.metadata()
             stored = meta.schema
             version = (getattr(meta, "major_version", None), getattr(meta, "minor_version", None))
-            if version not in V2_0:
+            if version not in V2_0 and not (mini and version in V2_1):
                 return None, None
             if len(meta.columns) != len(stored) or not all(_fixed(f.type) for f in stored):
                 return None, None  # one column per field only when each field is a flat primitive
+            fd = _open_fd(path)
+            flat = cls(path, pa.schema([]), [], fd)  # owns fd from here on
+            rows = (
+                None
+                if version in V2_0
+                else [[p.rows for p in c[1]] for c in _parse_footer(fd).columns]
+            )
             picked = []
             for name in columns:
                 index = stored.get_field_index(name)
                 if index < 0:
+                    flat.close()
                     return None, None
-                column = _column(stored.field(index).type, meta.columns[index].pages, meta.num_rows)
+                kind, pages = stored.field(index).type, meta.columns[index].pages
+                column = (
+                    _column(kind, pages, meta.num_rows)
+                    if rows is None
+                    else _mini_column(fd, kind, pages, rows[index], meta.num_rows)
+                )
                 if column is None:
+                    flat.close()
                     return None, None
                 picked.append(column)
-            schema = pa.schema([stored.field(name) for name in columns])
-            flat = cls(path, schema, picked)
-            agrees = not check or flat._agrees(reader, list(columns), meta.num_rows)
+            flat.schema = pa.schema([stored.field(name) for name in columns])
+            flat._columns = picked
+            n_check = CHECK_ROWS if rows is None else CHECK_MINI_ROWS
+            agrees = not check or flat._agrees(reader, list(columns), meta.num_rows, n_check)
         except Exception as exc:  # anything unexpected: Lance reads this file
             logger.debug("not reading %s flat: %r", path, exc)
             if flat is not None:
@@ -171,36 +203,24 @@ class FlatFile:
         """Rows ``[start, start + rows)`` of the file's columns, as one Arrow table."""
         return read_ranges([FlatRange(self, start, rows)])[0]
 
-    def segments(self, start: int, rows: int) -> list[tuple[int, int]]:
-        """``(file offset, bytes)`` of rows ``[start, start + rows)``, column by column and
-        page by page within a column.
-        """
+    def _check(self, start: int, rows: int) -> None:
         if start < 0 or rows < 0 or start + rows > self.num_rows:
             raise IndexError(
                 f"rows [{start}, {start + rows}) of {self.path} ({self.num_rows} rows)"
             )
-        out = []
-        for column in self._columns:
-            width = column.dtype.itemsize
-            page = int(np.searchsorted(column.first_rows, start, side="right")) - 1
-            row, stop = start, start + rows
-            while row < stop:
-                end = min(stop, int(column.first_rows[page + 1]))
-                at = int(column.positions[page]) + (row - int(column.first_rows[page])) * width
-                out.append((at, (end - row) * width))
-                row, page = end, page + 1
-        return out
 
     def close(self) -> None:
         """Close the file now (reads after this raise)."""
         self._closer()
 
-    def _agrees(self, reader: LanceFileReader, columns: list[str], num_rows: int) -> bool:
-        """Whether the file's first and last :data:`CHECK_ROWS` rows read the same flat and
-        through Lance, byte for byte (so NaNs compare equal).
+    def _agrees(
+        self, reader: LanceFileReader, columns: list[str], num_rows: int, first: int = CHECK_ROWS
+    ) -> bool:
+        """Whether the file's ``first`` rows and its last :data:`CHECK_ROWS` read the same
+        flat and through Lance, byte for byte (so NaNs compare equal).
         """
-        for start in sorted({0, max(0, num_rows - CHECK_ROWS)}):
-            n = min(CHECK_ROWS, num_rows - start)
+        for start, n in sorted({(0, min(first, num_rows)),
+                                (max(0, num_rows - CHECK_ROWS), min(CHECK_ROWS, num_rows))}):  # fmt: skip
             if n == 0:
                 continue
             lance_rows = reader.read_range(start, n).to_table()
@@ -383,57 +403,69 @@ def _message(data: bytes | memoryview) -> list[tuple[int, int | bytes]]:
 
 @dataclass(frozen=True)
 class FileFormat:
-    """What the data files of one table written flat share, learned from one file whose
-    pages Lance's own metadata describes as flat (:meth:`learn`): the schema and column
-    encodings as written, and each column's page encodings, byte for byte. :meth:`open`
+    """What the data files of one table read flat share, learned from one file whose pages
+    Lance's own metadata describes (:meth:`learn`): the schema and column encodings as
+    written, and each column's page encodings: byte for byte in 2.0 (flat pages), and in
+    2.1+ the mini-block layouts, byte for byte but for the page's row count. :meth:`open`
     opens another file by parsing its footer alone, where it matches.
     """
 
     schema: pa.Schema  # as Lance reads it
+    version: tuple[int, int]  # as the footer has it: (0, 3) for 2.0
     written_schema: bytes
     column_encodings: tuple[bytes, ...]
-    page_encodings: tuple[frozenset[bytes], ...]  # per column: every flat page's encoding
+    page_encodings: tuple[frozenset[bytes], ...]  # 2.0, per column: each flat page's encoding
+    layouts: tuple[dict[tuple, miniblock.Layout], ...] = ()  # 2.1+, per column: by layout key
 
     @classmethod
     def learn(cls, fd: int, meta) -> FileFormat | None:
         """The format of the file open as ``fd``, whose Lance metadata is ``meta``, or
         ``None`` unless the footer parsed here lists exactly the pages (buffers, rows) that
-        ``meta`` lists and Lance describes every page of every column as flat.
+        ``meta`` lists, and Lance describes every page as flat (2.0) or pages of the 2.1+
+        file as mini-block pages :mod:`slafload.miniblock` decodes (those are learned).
         """
         footer = _parse_footer(fd)
-        (major, minor) = footer.version
-        if (major, minor) not in V2_0 or footer.num_rows != meta.num_rows:
+        mini = footer.version in V2_1
+        if (footer.version not in V2_0 and not mini) or footer.num_rows != meta.num_rows:
             return None
         if len(footer.columns) != len(meta.columns) or len(meta.columns) != len(meta.schema):
             return None
-        encodings = []
+        encodings, layouts = [], []
         for field, (_, pages), theirs in zip(
             meta.schema, footer.columns, meta.columns, strict=True
         ):
             if not _fixed(field.type) or len(pages) != len(theirs.pages):
                 return None
             width = np.dtype(field.type.to_pandas_dtype()).itemsize
+            learned: dict[tuple, miniblock.Layout] = {}
             for page, their in zip(pages, theirs.pages, strict=True):
                 listed = [(b.position, b.size) for b in their.buffers]
                 if list(zip(page.positions, page.sizes, strict=True)) != listed:
                     return None
-                if flat_bits(their.encoding) != 8 * width or page.sizes != [page.rows * width]:
+                if mini:
+                    found, key = miniblock.layout(their.encoding, width), _layout_key(page)
+                    if found is not None and key is not None and found[1] == page.rows:
+                        learned[key] = found[0]
+                elif flat_bits(their.encoding) != 8 * width or page.sizes != [page.rows * width]:
                     return None
-            encodings.append(frozenset(page.encoding for page in pages))
+            encodings.append(frozenset(() if mini else (page.encoding for page in pages)))
+            layouts.append(learned)
         return cls(
-            meta.schema, footer.schema, tuple(e for e, _ in footer.columns), tuple(encodings)
-        )
+            meta.schema, footer.version, footer.schema, tuple(e for e, _ in footer.columns),
+            tuple(encodings), tuple(layouts) if mini else (),
+        )  # fmt: skip
 
     def open(self, path: str, columns: Sequence[str]) -> FlatFile | None:
         """The flat reader of ``columns`` of the data file at ``path``, from its footer
-        alone, or ``None`` unless its schema, column encodings and every page's encoding
-        are this format's, byte for byte, each page one buffer of its rows' values, and
-        the pages add up to the file's rows.
+        alone, or ``None`` unless its format version, schema, column encodings and every
+        page's encoding are this format's, byte for byte (a mini-block page's but for its
+        row count), each 2.0 page one buffer of its rows' values, each mini-block page's
+        chunks adding up to its rows and bytes, and the pages to the file's rows.
         """
         fd = _open_fd(path)
         try:
             footer = _parse_footer(fd)
-            picked = self._columns(footer, columns)
+            picked = self._columns(fd, footer, columns)
         except Exception as exc:  # anything unexpected: opened as the first file was
             logger.debug("no flat footer for %s: %r", path, exc)
             picked = None
@@ -442,8 +474,8 @@ class FileFormat:
             return None
         return FlatFile(path, pa.schema([self.schema.field(n) for n in columns]), picked, fd)
 
-    def _columns(self, footer: _Footer, columns: Sequence[str]) -> list[_Column] | None:
-        if footer.version not in V2_0 or footer.schema != self.written_schema:
+    def _columns(self, fd: int, footer: _Footer, columns: Sequence[str]) -> list[_Column] | None:
+        if footer.version != self.version or footer.schema != self.written_schema:
             return None
         if len(footer.columns) != len(self.column_encodings):
             return None
@@ -457,17 +489,55 @@ class FileFormat:
                 return None
             dtype = np.dtype(self.schema.field(index).type.to_pandas_dtype()).newbyteorder("<")
             rows = [page.rows for page in pages]
-            if sum(rows) != footer.num_rows or not all(
+            if sum(rows) != footer.num_rows:
+                return None
+            first = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]).astype(np.int64)
+            if self.layouts:
+                mini = []
+                for page in pages:
+                    key = _layout_key(page)
+                    found = self.layouts[index].get(key) if key is not None else None
+                    buffers = list(zip(page.positions, page.sizes, strict=True))
+                    loaded = (
+                        None if found is None else miniblock.load(fd, found, buffers, page.rows)
+                    )
+                    if loaded is None:
+                        return None
+                    mini.append(loaded)
+                picked.append(_Column(dtype, np.zeros(len(mini), np.int64), first, tuple(mini)))
+                continue
+            if not all(
                 page.encoding in self.page_encodings[index]
                 and len(page.positions) == 1
                 and page.sizes == [page.rows * dtype.itemsize]
                 for page in pages
             ):
                 return None
-            first = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]).astype(np.int64)
             positions = np.asarray([page.positions[0] for page in pages], dtype=np.int64)
             picked.append(_Column(dtype, positions, first))
         return picked
+
+
+def _layout_key(page: _Page) -> tuple | None:
+    """A mini-block page's encoding as written, but for its row count (``num_items``, field
+    9 of ``MiniBlockLayout``, which must equal the page's rows): ``None`` for any other
+    page, or one whose ``num_items`` is not its row count.
+    """
+    direct = dict(_message(page.encoding)).get(2)
+    wrapped = dict(_message(direct)).get(1) if isinstance(direct, bytes) else None
+    if not isinstance(wrapped, bytes):
+        return None
+    any_ = _message(wrapped)
+    kind, value = dict(any_).get(1), dict(any_).get(2)
+    if kind != b"/lance.encodings21.PageLayout" or not isinstance(value, bytes):
+        return None
+    layout = _message(value)
+    if len(layout) != 1 or layout[0][0] != 1 or not isinstance(layout[0][1], bytes):
+        return None  # not (only) a mini-block layout
+    fields = _message(layout[0][1])
+    if [v for n, v in fields if n == 9] != [page.rows]:
+        return None
+    return tuple((n, v) for n, v in fields if n != 9)
 
 
 class FlatFiles:
@@ -483,7 +553,8 @@ class FlatFiles:
     opened through Lance's metadata instead (without the row check). Thread-safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, mini: bool = True) -> None:
+        self.mini = mini  # 2.1+ files' mini-block pages decoded too (slafload.miniblock)
         self._format: FileFormat | None = None
         self._checked = False  # a file has read as Lance reads it
         self._lock = threading.Lock()
@@ -493,24 +564,48 @@ class FlatFiles:
         """The table's format, once a file has taught it."""
         return self._format
 
-    def open(self, path: str, columns: Sequence[str]) -> FlatFile | None:
+    def open(
+        self, path: str, columns: Sequence[str], *, mini: bool | None = None
+    ) -> FlatFile | None:
         """The flat reader of ``columns`` of the data file at ``path``, or ``None`` where
-        the file is not one this reads exactly (then read it with Lance).
+        the file is not one this reads exactly (then read it with Lance). ``mini``: open
+        2.1+ files' mini-block pages (default: as constructed).
         """
+        mini = self.mini if mini is None else mini
         form = self._format
-        if form is not None:
+        if form is not None and (mini or not form.layouts):
             flat = form.open(path, columns)
             if flat is not None:
                 return flat
         if self._checked:
-            flat, learned = FlatFile._open(path, columns, check=False)
+            flat, learned = FlatFile._open(path, columns, check=False, mini=mini)
         else:
             with self._lock:  # the first file read flat is checked row by row, once
-                flat, learned = FlatFile._open(path, columns, check=not self._checked)
+                flat, learned = FlatFile._open(path, columns, check=not self._checked, mini=mini)
                 self._checked = self._checked or flat is not None
         if self._format is None and learned is not None:
             self._format = learned
         return flat
+
+
+def _mini_column(
+    fd: int, kind: pa.DataType, pages: Sequence, rows: Sequence[int], num_rows: int
+) -> _Column | None:
+    """A 2.1+ column's pages (each read by :mod:`slafload.miniblock`), or ``None`` unless
+    every page is one it decodes and the pages' rows add up to the file's.
+    """
+    dtype = np.dtype(kind.to_pandas_dtype()).newbyteorder("<")
+    if len(rows) != len(pages) or sum(rows) != num_rows:
+        return None
+    mini = []
+    for page, n in zip(pages, rows, strict=True):
+        buffers = [(b.position, b.size) for b in page.buffers]
+        decoded = miniblock.page(fd, page.encoding, buffers, dtype.itemsize, n)
+        if decoded is None:
+            return None
+        mini.append(decoded)
+    first = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]).astype(np.int64)
+    return _Column(dtype, np.zeros(len(mini), dtype=np.int64), first, tuple(mini))
 
 
 class FlatRange(NamedTuple):
@@ -531,45 +626,113 @@ def read_ranges(
     ``preadv`` per column and page (each of which must take the GIL back); the tables are
     zero-copy views of that buffer, taken from ``pool`` where one is given. A read the kernel
     could not finish (an I/O error, a file cut short) is done again by ``preadv``, which
-    raises its ``OSError``.
+    raises its ``OSError``. Mini-block pages (2.1+) are read the same way into a second
+    buffer, the chunks holding each range, then decoded into the first by one call of the
+    ``decode_chunks`` kernel (:mod:`slafload.miniblock`'s numpy code until it is compiled).
     """
-    fds, offsets, sizes, where = [], [], [], []
+    direct = _Runs()  # plain values: read where they go
+    packed = _Runs()  # mini-block chunks: read to be decoded
+    jobs: list[miniblock.Job] = []
+    chunk_at: list[np.ndarray] = []
+    chunk_rows: list[np.ndarray] = []
     layout = []  # per range: per column (dtype, first byte in the buffer, bytes)
     total = 0
     for file, start, rows in ranges:
+        file._check(start, rows)
         columns = []
-        segments = iter(file.segments(start, rows))
         for column in file._columns:
-            first, need = total, rows * column.dtype.itemsize
-            while need:
-                offset, size = next(segments)
-                fds.append(file.fd)
-                offsets.append(offset)
-                sizes.append(size)
-                where.append(total)
-                total += size
-                need -= size
+            first, width = total, column.dtype.itemsize
+            for page, at, n in column.pieces(start, rows):
+                mini = column.mini[page] if column.mini is not None else None
+                if mini is None:
+                    direct.add(file.fd, int(column.positions[page]) + at * width, n * width, total)
+                elif mini.kind == miniblock.CONSTANT:
+                    jobs.append(miniblock.Job(mini.kind, width, 0, 0, 0, total, 0, n,
+                                              mini.constant))  # fmt: skip
+                    chunk_at.append(np.zeros(1, np.int64))
+                    chunk_rows.append(np.zeros(1, np.int64))
+                else:
+                    chunks = miniblock.plan(mini, at, n)
+                    jobs.append(miniblock.Job(mini.kind, width, mini.header, mini.size_bytes,
+                                              packed.total, total, chunks.skip, n, 0))  # fmt: skip
+                    chunk_at.append(chunks.chunk_at)
+                    chunk_rows.append(chunks.chunk_rows)
+                    packed.add(file.fd, chunks.offset, chunks.size, packed.total)
+                    packed.total = -(-packed.total // 8) * 8
+                total += n * width
             columns.append((column.dtype, first, total - first))
             total = -(-total // 8) * 8  # each column's values 8-byte aligned
         layout.append(columns)
     # Fresh arrays come from buffers.fresh: no huge-page compaction stalls.
     buffer = fresh(total, np.uint8) if pool is None else pool.take(total)
-    args = [np.asarray(x, dtype=np.int64) for x in (fds, offsets, sizes, where)]
-    failed = np.full(1, -1, dtype=np.int64)  # the kernel's first unread run, if any
-    if kernels.run("pread_runs", *args, buffer, failed, start=False):
-        if failed[0] >= 0:  # read again in Python, which raises the OSError
-            args = [a[failed[0] :] for a in args]
-    else:
-        failed[0] = 0
-    if failed[0] >= 0:
-        view = buffer.data
-        for fd, offset, size, at in zip(*(a.tolist() for a in args), strict=True):
-            _pread_into(fd, view[at : at + size], offset)
+    direct.read(buffer, kernels)
+    if jobs:
+        scratch = fresh(packed.total, np.uint8) if pool is None else pool.take(packed.total)
+        packed.read(scratch, kernels)
+        _decode(scratch, buffer, jobs, chunk_at, chunk_rows, kernels)
+        del scratch  # back to the pool
     tables = []
     for (file, _, _), columns in zip(ranges, layout, strict=True):
         arrays = [pa.array(buffer[a : a + n].view(dtype)) for dtype, a, n in columns]
         tables.append(pa.Table.from_arrays(arrays, schema=file.schema))
     return tables
+
+
+class _Runs:
+    """Runs of file bytes to read into a buffer: ``(fd, file offset, bytes, buffer offset)``."""
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+        self.offsets: list[int] = []
+        self.sizes: list[int] = []
+        self.where: list[int] = []
+        self.total = 0  # bytes of the buffer they need
+
+    def add(self, fd: int, offset: int, size: int, at: int) -> None:
+        self.fds.append(fd)
+        self.offsets.append(offset)
+        self.sizes.append(size)
+        self.where.append(at)
+        self.total = max(self.total, at + size)
+
+    def read(self, buffer: np.ndarray, kernels: Kernels) -> None:
+        """Read every run, by the ``pread_runs`` kernel where it is compiled; what it could
+        not read, by ``preadv`` (which raises the ``OSError``).
+        """
+        if not self.fds:
+            return
+        args = [np.asarray(x, dtype=np.int64) for x in (self.fds, self.offsets, self.sizes,
+                                                        self.where)]  # fmt: skip
+        failed = np.full(1, -1, dtype=np.int64)  # the kernel's first unread run, if any
+        if kernels.run("pread_runs", *args, buffer, failed, start=False):
+            if failed[0] >= 0:  # read again in Python, which raises the OSError
+                args = [a[failed[0] :] for a in args]
+        else:
+            failed[0] = 0
+        if failed[0] >= 0:
+            view = buffer.data
+            for fd, offset, size, at in zip(*(a.tolist() for a in args), strict=True):
+                _pread_into(fd, view[at : at + size], offset)
+
+
+def _decode(scratch: np.ndarray, buffer: np.ndarray, jobs: list[miniblock.Job],
+            chunk_at: list[np.ndarray], chunk_rows: list[np.ndarray], kernels: Kernels) -> None:  # fmt: skip
+    """Decode the mini-block ``jobs`` from ``scratch`` into ``buffer``: by the
+    ``decode_chunks`` kernel where it is compiled, else by :func:`miniblock.decode_chunks`.
+    """
+    starts = np.concatenate([[0], np.cumsum([len(a) for a in chunk_at])[:-1]]).tolist()
+    table = miniblock.jobs_array(jobs, starts)
+    at, rows = np.concatenate(chunk_at), np.concatenate(chunk_rows)
+    tmp = np.empty(1024, dtype=np.uint64)  # a bit-packed chunk's values
+    failed = np.full(1, -1, dtype=np.int64)
+    args = (scratch[: len(scratch) // 8 * 8], table, at, rows, miniblock.FL_ORDER, tmp)
+    if kernels.run("decode_chunks", *args, buffer[: len(buffer) // 8 * 8], failed, start=False):
+        if failed[0] >= 0:
+            raise ValueError(
+                f"a mini-block chunk is not what its page's encoding says ({failed[0]})"
+            )
+        return
+    miniblock.decode_chunks(scratch, table, at, rows, buffer)
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:

@@ -79,6 +79,8 @@ class ReadOptions:
             call per window of ranges.
         pool: The buffers flat reads read into (shared by the readers given it); ``None``:
             each reader's own.
+        mini: Flat reads decode local Lance 2.1+ files' mini-block pages too (with numba
+            kernels; :mod:`slafload.miniblock`).
     """
 
     batch_rows: int = 1 << 22
@@ -87,6 +89,7 @@ class ReadOptions:
     flat: bool = True
     kernels: Kernels = NUMPY
     pool: BytePool | None = None
+    mini: bool = False
 
     def __post_init__(self) -> None:
         check_int("batch_rows", self.batch_rows)
@@ -120,6 +123,7 @@ class Reader:
                 flat=o.flat,
                 kernels=o.kernels,
                 pool=o.pool,
+                mini=o.mini,
             )
             self._direct = self._files is not None
             if self._files is not None and self._files.flat:

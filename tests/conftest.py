@@ -216,3 +216,37 @@ def append_cell(path, genes, values):
     config["n_cells"] = config["array_shape"][0] = n_cells + 1
     config["metadata"]["expression_count"] = n_rows + len(genes)
     (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def lance_opens(monkeypatch) -> list[str]:
+    """The paths of the data files opened through Lance's metadata by ``FlatFile._open``
+    (the rest :class:`~slafload.flat_pages.FlatFiles` opens from their footers), in order.
+    """
+    from slafload.flat_pages import FlatFile
+
+    opened: list[str] = []
+    real_open = FlatFile._open.__func__  # type: ignore[attr-defined]
+
+    def spy(cls, path, *args, **kwargs):
+        opened.append(path)
+        return real_open(cls, path, *args, **kwargs)
+
+    monkeypatch.setattr(FlatFile, "_open", classmethod(spy))
+    return opened
+
+
+@pytest.fixture
+def flat_opens(monkeypatch) -> list:
+    """What every ``FlatFiles.open`` returned (a ``FlatFile`` or ``None``), in order."""
+    from slafload.flat_pages import FlatFiles
+
+    opened: list = []
+    real_open = FlatFiles.open
+
+    def spy(self, *args, **kwargs):
+        opened.append(real_open(self, *args, **kwargs))
+        return opened[-1]
+
+    monkeypatch.setattr(FlatFiles, "open", spy)
+    return opened

@@ -93,7 +93,11 @@ def test_files_that_are_not_flat_are_left_to_lance(tmp_path):
     write_file(tmp_path / "v21.lance", 1_000, version="2.1")
     write_file(tmp_path / "nulls.lance", 1_000, nulls=True)
     for name in ("v22", "v21", "nulls"):
-        assert FlatFile.open(str(tmp_path / f"{name}.lance"), SCHEMA.names) is None, name
+        path = str(tmp_path / f"{name}.lance")
+        assert FlatFile.open(path, SCHEMA.names, mini=False) is None, name
+    for name in ("v22", "v21"):  # mini-block pages: tests/test_miniblock.py
+        assert FlatFile.open(str(tmp_path / f"{name}.lance"), SCHEMA.names) is not None, name
+    assert FlatFile.open(str(tmp_path / "nulls.lance"), SCHEMA.names) is None
     nested = tmp_path / "nested.lance"
     schema = pa.schema([("a", pa.uint32()), ("b", pa.list_(pa.uint16()))])
     with LanceFileWriter(str(nested), schema, version="2.0") as w:
@@ -141,7 +145,7 @@ def test_a_file_whose_flat_read_disagrees_with_lance_is_left_to_lance(
 
 
 def test_files_after_the_first_open_from_their_footers_and_read_as_lance_reads_them(
-    tmp_path, monkeypatch
+    tmp_path, lance_opens
 ):
     tables = {}
     for i, (rows, page_bytes) in enumerate([(3_000, None), (20_000, 8 << 10), (1, None),
@@ -151,14 +155,7 @@ def test_files_after_the_first_open_from_their_footers_and_read_as_lance_reads_t
     paths = list(tables)
     # ~150 pages a column: more metadata than the first tail read, so a second read of it
     assert len(LanceFileReader(paths[3]).metadata().columns[0].pages) > 100
-    through_lance = []
-    real_open = FlatFile._open.__func__
-
-    def spy(cls, path, *args, **kwargs):
-        through_lance.append(path)
-        return real_open(cls, path, *args, **kwargs)
-
-    monkeypatch.setattr(FlatFile, "_open", classmethod(spy))
+    through_lance = lance_opens
     files = FlatFiles()
     opened = [files.open(path, SCHEMA.names) for path in paths]
     assert through_lance == paths[:1] and files.format is not None  # only the first
@@ -324,15 +321,8 @@ def loader_batches(path, **config):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_loader_reads_flat_files_with_identical_tokens(atlas20, monkeypatch, backend):
-    opened: list[FlatFile | None] = []
-    real_open = FlatFiles.open
-
-    def spy(self, *args, **kwargs):
-        opened.append(real_open(self, *args, **kwargs))
-        return opened[-1]
-
-    monkeypatch.setattr(FlatFiles, "open", spy)
+def test_the_loader_reads_flat_files_with_identical_tokens(atlas20, flat_opens, backend):
+    opened = flat_opens
     flat = loader_batches(atlas20, kernels=backend)
     assert opened and all(f is not None for f in opened)
     n_opened = len(opened)

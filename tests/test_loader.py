@@ -184,6 +184,8 @@ def test_settings_are_validated_with_clear_messages(small_slaf):
         LoaderConfig(read_data_files="yes")
     with pytest.raises(ValueError, match="read_flat must be True or False"):
         LoaderConfig(read_flat="yes")
+    with pytest.raises(ValueError, match="read_mini_blocks must be True or False"):
+        LoaderConfig(read_mini_blocks=1)
     with pytest.raises(TypeError, match="unknown settings \\['batchsize'\\]"):
         Loader(small_slaf, batchsize=3)
     with pytest.raises(TypeError, match="sampler must implement plan"):

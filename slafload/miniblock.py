@@ -1,0 +1,299 @@
+"""Decode the mini-block pages of Lance 2.1 and 2.2 data files (what converters write) for the
+flat reads of :mod:`slafload.flat_pages`, without Lance's decoder.
+
+In Lance 2.1+, a page of a fixed-width column with no nulls is usually a *mini-block* page:
+its values are cut into chunks of up to 4,096 (each compressed on its own), the chunks
+stored back to back in the page's second buffer, and one word per chunk in its first buffer
+gives the chunk's size and value count. A range of rows is then the run of chunks that holds
+it: one ``pread`` of their bytes, then a decode of each chunk, then the rows wanted. This
+module knows the page layouts pylance writes for such columns, and nothing else:
+
+- ``MiniBlockLayout`` with no repetition or definition levels, no dictionary, one layer
+  ``RepdefAllValidItem``, and values compressed by ``Flat`` (plain values), ``Rle``
+  (``Flat`` run values of the column's width and ``Flat`` 8-bit run lengths) or
+  ``InlineBitpacking`` (FastLanes bit-packing of 1,024-value chunks, the bit width first);
+- ``ConstantLayout`` (2.2: every row one value, stored in the encoding itself).
+
+Chunk words are ``u16`` in 2.1 and ``u32`` in 2.2 (``has_large_chunk``): the low 4 bits are
+log2 of the chunk's value count (0 for the last chunk, which holds the rest), the others
+``bytes / 8 - 1``. A chunk starts with a ``u16`` level count (0 here), then the byte size of
+each of its value buffers (``u16`` in 2.1, ``u32`` in 2.2), padded to 8 bytes; each buffer is
+padded to 8 bytes. Every page is matched against pylance's text of its encoding, whole, and
+its chunk table must add up to the page's rows and bytes, or the file stays with Lance
+(:meth:`slafload.flat_pages.FlatFile.open`, which also compares the first file's rows with
+Lance's read of them). The decode runs as one numba kernel per window of ranges
+(``decode_chunks`` in :mod:`slafload.kernels`); :func:`decode_chunks` here is the numpy
+reference it must match.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+MINI_FLAT, RLE, BITPACK, CONSTANT = 1, 2, 3, 4  # page kinds (0 is a 2.0 flat page)
+FL_ORDER = np.array([0, 4, 2, 6, 1, 5, 3, 7], dtype=np.int64)  # FastLanes' row order
+_JOB = 9  # int64 fields per decode job (see Job)
+
+_FLAT = r"Flat\(Flat\{bits_per_value:(\d+),data:None\}\)"
+_BYTES = r"Flat\(Flat\{bits_per_value:8,data:None\}\)"  # u8 run lengths
+_COMPRESSIVE = r"CompressiveEncoding\{{compression:Some\({}\)\}}"
+_VALUES = {
+    MINI_FLAT: re.compile(_FLAT),
+    BITPACK: re.compile(
+        r"InlineBitpacking\(InlineBitpacking\{uncompressed_bits_per_value:(\d+),values:None\}\)"
+    ),
+    RLE: re.compile(
+        rf"Rle\(Rle\{{values:Some\({_COMPRESSIVE.format(_FLAT)}\),"
+        rf"run_lengths:Some\({_COMPRESSIVE.format(_BYTES)}"
+        r"\)\}\)"
+    ),
+}
+_MINIBLOCK = re.compile(
+    r"PageLayout\{layout:Some\(MiniBlockLayout\(MiniBlockLayout\{"
+    r"rep_compression:None,def_compression:None,"
+    r"value_compression:Some\(CompressiveEncoding\{compression:Some\((?P<values>.*)\)\}\),"
+    r"dictionary:None,num_dictionary_items:0,layers:\[RepdefAllValidItem\],"
+    r"num_buffers:(?P<buffers>\d+),repetition_index_depth:0,num_items:(?P<items>\d+),"
+    r"has_large_chunk:(?P<large>true|false)\}\)\)\}"
+)
+_CONSTANT = re.compile(
+    r"PageLayout\{layout:Some\(ConstantLayout\(ConstantLayout\{layers:\[RepdefAllValidItem\],"
+    r"inline_value:Some\(b\"(?P<value>.*)\"\),rep_compression:None,def_compression:None,"
+    r"num_rep_values:0,num_def_values:0\}\)\)\}"
+)
+_ESCAPES = {"n": 10, "r": 13, "t": 9, "0": 0, "\\": 92, '"': 34, "'": 39}
+
+
+@dataclass(frozen=True)
+class MiniPage:
+    """One mini-block (or constant) page of a column: where its chunks are and what they hold."""
+
+    kind: int
+    rows: int
+    data_at: int = 0  # file offset of the chunks (the page's second buffer)
+    chunk_at: np.ndarray | None = None  # int64[chunks + 1]: each chunk's offset, then the size
+    chunk_rows: np.ndarray | None = None  # int64[chunks + 1]: each chunk's first row, then rows
+    header: int = 0  # bytes from a chunk's start to its first value buffer
+    size_bytes: int = 0  # width of the buffer sizes in a chunk's header (2 or 4)
+    constant: int = 0  # CONSTANT: the value's bits
+
+    def chunks(self, start: int, rows: int) -> tuple[int, int]:
+        """The chunks ``[first, last)`` that hold page rows ``[start, start + rows)``."""
+        assert self.chunk_rows is not None
+        first = int(np.searchsorted(self.chunk_rows, start, side="right")) - 1
+        last = int(np.searchsorted(self.chunk_rows, start + rows, side="left"))
+        return first, max(last, first + 1)
+
+
+class Layout(NamedTuple):
+    """What a mini-block page's encoding says, but for its row count."""
+
+    kind: int
+    n_buffers: int  # value buffers in each chunk
+    large: bool  # has_large_chunk: u32 chunk words and buffer sizes (2.2), else u16 (2.1)
+
+
+def layout(encoding: str, width: int) -> tuple[Layout, int] | None:
+    """The :class:`Layout` and row count of a mini-block page of ``width``-byte values whose
+    encoding pylance prints as ``encoding``; ``None`` for any other page (a constant page
+    too: :func:`page` reads those).
+    """
+    match = _MINIBLOCK.fullmatch(_squeezed(encoding))
+    if match is None:
+        return None
+    found = [(k, m) for k, p in _VALUES.items() if (m := p.fullmatch(match["values"]))]
+    if len(found) != 1 or int(found[0][1].group(1)) != 8 * width:
+        return None
+    kind = found[0][0]
+    n_buffers = int(match["buffers"])
+    if n_buffers != (2 if kind == RLE else 1) or (kind == BITPACK and width > 4):
+        return None
+    return Layout(kind, n_buffers, match["large"] == "true"), int(match["items"])
+
+
+def page(fd: int, encoding: str, buffers: list[tuple[int, int]], width: int,
+         rows: int) -> MiniPage | None:  # fmt: skip
+    """The :class:`MiniPage` of a page of ``rows`` values of ``width`` bytes whose encoding
+    pylance prints as ``encoding``, with ``buffers`` ``(position, size)``, in the file open
+    as ``fd`` (its chunk words read now); ``None`` for any other page.
+    """
+    if _CONSTANT.fullmatch(_squeezed(encoding)) is not None:
+        raw = re.search(r'inline_value:\s*Some\(\s*b"((?:[^"\\]|\\.)*)"', str(encoding))
+        value = _bytes(raw.group(1)) if raw else b""
+        if len(value) != width or buffers:
+            return None
+        return MiniPage(CONSTANT, rows, constant=int.from_bytes(value, "little"))
+    found = layout(encoding, width)
+    if found is None or found[1] != rows:
+        return None
+    return load(fd, found[0], buffers, rows)
+
+
+def load(fd: int, layout: Layout, buffers: list[tuple[int, int]], rows: int) -> MiniPage | None:
+    """The :class:`MiniPage` of a page of ``rows`` values laid out as ``layout`` with
+    ``buffers`` ``(position, size)`` in the file open as ``fd``: its chunk words read now,
+    and required to add up to the page's rows and to its chunks' bytes; else ``None``.
+    """
+    if len(buffers) != 2:
+        return None
+    (words_at, words_size), (data_at, data_size) = buffers
+    word = np.dtype("<u4" if layout.large else "<u2")
+    if words_size == 0 or words_size % word.itemsize:
+        return None
+    words = np.frombuffer(_pread(fd, words_size, words_at), word).astype(np.int64)
+    logs = words & 0xF
+    counts = np.left_shift(np.int64(1), logs)
+    last = rows - int(counts[:-1].sum())
+    if np.any(logs[:-1] == 0) or last <= 0 or (logs[-1] and counts[-1] != last):
+        return None
+    counts[-1] = last
+    sizes = ((words >> 4) + 1) * 8
+    chunk_at = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    if chunk_at[-1] != data_size:
+        return None
+    size_bytes = 4 if layout.large else 2
+    return MiniPage(
+        layout.kind, rows, data_at, chunk_at,
+        np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        -(-(2 + size_bytes * layout.n_buffers) // 8) * 8, size_bytes,
+    )  # fmt: skip
+
+
+def _squeezed(encoding: str) -> str:
+    text = re.sub(r"\s+", "", str(encoding)).replace(",)", ")").replace(",}", "}")
+    return text.replace(",]", "]")
+
+
+class Job(NamedTuple):
+    """What decoding one range of one page takes; :func:`jobs_array` packs them."""
+
+    kind: int
+    width: int  # bytes per value
+    header: int
+    size_bytes: int
+    scratch_at: int  # where the first chunk's bytes were read to
+    out_at: int  # where the first value goes (bytes)
+    skip: int  # values of the first chunk before the range
+    rows: int  # values to write
+    constant: int
+
+
+class Plan(NamedTuple):
+    """The chunks that hold a range of a page's rows."""
+
+    offset: int  # file offset of the first chunk
+    size: int  # bytes of the chunks
+    chunk_at: np.ndarray  # int64[k + 1]: each chunk's offset from the first's, then the size
+    chunk_rows: np.ndarray  # int64[k + 1]: each chunk's first row from the first's, then rows
+    skip: int  # rows of the first chunk before the range
+
+
+def plan(page: MiniPage, start: int, rows: int) -> Plan:
+    """The chunks of ``page`` that hold its rows ``[start, start + rows)``."""
+    assert page.chunk_at is not None and page.chunk_rows is not None
+    first, last = page.chunks(start, rows)
+    at = page.chunk_at[first : last + 1] - page.chunk_at[first]
+    firsts = page.chunk_rows[first : last + 1] - page.chunk_rows[first]
+    begin = int(page.chunk_rows[first])
+    return Plan(page.data_at + int(page.chunk_at[first]), int(at[-1]), at, firsts, start - begin)
+
+
+def jobs_array(jobs: list[Job], starts: list[int]) -> np.ndarray:
+    """``int64[len(jobs), 10]``: each job's fields, then where its chunks start in the
+    concatenated chunk arrays.
+    """
+    out = np.zeros((len(jobs), _JOB + 1), dtype=np.int64)
+    if jobs:
+        out[:, :_JOB] = np.asarray(jobs, dtype=np.int64)
+        out[:, _JOB] = starts
+    return out
+
+
+def decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
+                  chunk_rows: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
+    """Decode every job's chunks from ``scratch`` into ``out`` (both ``uint8``): the numpy
+    reference of the ``decode_chunks`` kernel. Raises ``ValueError`` on a chunk that is not
+    what its page's encoding says.
+    """
+    for job in jobs.tolist():
+        kind, width, header, size_bytes, scratch_at, out_at, skip, rows, constant, c0 = job
+        dtype = np.dtype(f"<u{width}")
+        target = out[out_at : out_at + rows * width].view(dtype)
+        if kind == CONSTANT:
+            target[:] = constant
+            continue
+        written, c = 0, c0
+        while written < rows:
+            base = scratch_at + int(chunk_at[c])
+            count = int(chunk_rows[c + 1] - chunk_rows[c])
+            chunk = scratch[base : scratch_at + int(chunk_at[c + 1])]
+            values = _decode_chunk(chunk, kind, dtype, header, size_bytes, count)
+            lo = skip if c == c0 else 0
+            n = min(count - lo, rows - written)
+            target[written : written + n] = values[lo : lo + n]
+            written, c = written + n, c + 1
+
+
+def _decode_chunk(chunk: np.ndarray, kind: int, dtype: np.dtype, header: int, size_bytes: int,
+                  count: int) -> np.ndarray:  # fmt: skip
+    n_buffers = 2 if kind == RLE else 1
+    if int(chunk[:2].view("<u2")[0]) != 0:
+        raise ValueError("a mini-block chunk with levels in a page without them")
+    sizes = chunk[2 : 2 + size_bytes * n_buffers].view(f"<u{size_bytes}").astype(np.int64)
+    first = chunk[header : header + sizes[0]]
+    if kind == MINI_FLAT:
+        values = first.view(dtype)
+        if len(values) != count:
+            raise ValueError("a flat chunk of another length")
+        return values
+    if kind == RLE:
+        at = header + (-(-int(sizes[0]) // 8) * 8)
+        runs, lengths = first.view(dtype), chunk[at : at + sizes[1]]
+        if len(runs) != len(lengths) or int(lengths.astype(np.int64).sum()) < count:
+            raise ValueError("an RLE chunk of another length")
+        return np.repeat(runs, lengths.astype(np.int64))[:count]
+    words = first.view(dtype).astype(np.uint64)
+    bits = 8 * dtype.itemsize
+    width, lanes = int(words[0]), 1024 // bits
+    if width > bits or len(words) != 1 + width * lanes or count > 1024:
+        raise ValueError("a bit-packed chunk of another length")
+    out = np.zeros(1024, np.uint64)
+    if width:
+        packed = words[1:].reshape(width, lanes)
+        mask = np.uint64((1 << width) - 1)
+        for row in range(bits):
+            word, shift = divmod(row * width, bits)
+            v = packed[word] >> np.uint64(shift)
+            if shift + width > bits:
+                v = v | (packed[word + 1] << np.uint64(bits - shift))
+            index = FL_ORDER[row // 8] * 16 + (row % 8) * 128 + np.arange(lanes)
+            out[index] = v & mask
+    return out[:count].astype(dtype)
+
+
+def _pread(fd: int, n: int, at: int) -> bytes:
+    data = os.pread(fd, n, at)
+    if len(data) != n:
+        raise OSError(f"unexpected end of file reading {n} bytes at {at}")
+    return data
+
+
+def _bytes(literal: str) -> bytes:
+    """The bytes of a Rust ``b"..."`` literal as printed (hex and the usual escapes)."""
+    out, i = bytearray(), 0
+    while i < len(literal):
+        if literal[i] != "\\":
+            out.append(ord(literal[i]))
+            i += 1
+        elif literal[i + 1] == "x":
+            out.append(int(literal[i + 2 : i + 4], 16))
+            i += 4
+        else:
+            out.append(_ESCAPES[literal[i + 1]])
+            i += 2
+    return bytes(out)

@@ -1,0 +1,243 @@
+"""Mini-block pages of Lance 2.1 and 2.2 files decoded without Lance: every row as Lance reads it."""
+
+from __future__ import annotations
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pytest
+from conftest import random_counts, write_dense
+from lance.file import LanceFileReader, LanceFileWriter
+
+from slafload import Loader, open_dataset
+from slafload.data_files import DataFiles
+from slafload.flat_pages import FlatFile, FlatFiles, FlatRange, read_ranges
+from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
+from slafload.reader import COLUMNS
+from slafload.samplers import BlockShuffle
+
+pytestmark = pytest.mark.usefixtures("no_thread_leak")
+BACKENDS = ["numpy"] + (["numba"] if numba_available() else [])
+VERSIONS = ["2.1", "2.2"]
+
+
+@pytest.fixture(params=BACKENDS)
+def kernels(request):
+    if request.param == "numpy":
+        yield NUMPY
+        return
+    k = Kernels("numba")
+    prepare_reads(k)
+    yield k
+    k.close()
+
+
+def atlas_like(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    counts = rng.integers(1, 1600, size=n // 400 + 2)
+    return {
+        "cell": np.repeat(np.arange(len(counts), dtype=np.uint32) + 12_345, counts)[:n],
+        "gene": rng.integers(0, 20_000, size=n).astype(np.uint16),
+        "value": np.minimum(rng.geometric(0.5, size=n), 60_000).astype(np.uint16),
+        "f32": rng.standard_normal(n).astype(np.float32),
+    }
+
+
+def shapes(rng: np.random.Generator) -> dict[str, tuple[dict[str, np.ndarray], dict]]:
+    """Columns that make every page layout and chunk shape the decoder knows."""
+    mixed16 = rng.integers(0, 4, 30_000).astype(np.uint16)
+    mixed16[::5_000] = 65_535  # bit widths 2 and 16 side by side
+    mixed32 = rng.integers(0, 100, 30_000).astype(np.uint32)
+    mixed32[7::3_000] = 2**31 + 5
+    runs = np.repeat(np.arange(12, dtype=np.uint32),
+                     [1, 255, 256, 700, 5_000, 9_000, 3, 1_023, 1_025, 4_096, 4_097, 1])  # fmt: skip
+    zeros = rng.integers(0, 50, 9_000).astype(np.uint16)
+    zeros[:3_000] = 0  # bit width 0
+    return {
+        "atlas": (atlas_like(40_003, rng), {}),
+        "small_pages": (atlas_like(50_003, rng), {"max_page_bytes": 32 << 10}),
+        "one_row": ({k: v[:1] for k, v in atlas_like(10, rng).items()}, {}),
+        "equal": (
+            {
+                "u32": np.full(10_000, 7, np.uint32),
+                "u16": np.full(10_000, 3, np.uint16),
+                "f32": np.full(10_000, 1.5, np.float32),
+            },
+            {},
+        ),
+        "wide": (
+            {
+                "u32": rng.integers(0, 2**32, 20_000, dtype=np.uint64).astype(np.uint32),
+                "u16": rng.integers(0, 2**16, 20_000).astype(np.uint16),
+                "u32_20bit": rng.integers(0, 2**20, 20_000).astype(np.uint32),
+            },
+            {},
+        ),
+        "mixed_widths": ({"u16": mixed16, "u32": mixed32}, {}),
+        "long_runs": ({"u32": runs, "u16": (runs % 3).astype(np.uint16)}, {}),
+        "odd_lengths": (
+            {
+                "u16": rng.integers(0, 500, 1_025).astype(np.uint16),
+                "u32": np.repeat(np.arange(5, dtype=np.uint32), 205),
+            },
+            {},
+        ),
+        "zeros_and_float_runs": (
+            {"u16": zeros, "f32": np.repeat(rng.standard_normal(36).astype(np.float32), 250)},
+            {},
+        ),
+    }
+
+
+def write(path, columns: dict[str, np.ndarray], version: str, batch: int | None = None,
+          **options) -> pa.Table:  # fmt: skip
+    table = pa.table(columns)
+    with LanceFileWriter(str(path), table.schema, version=version, **options) as writer:
+        for start in range(0, table.num_rows, batch or table.num_rows):
+            writer.write_batch(table.slice(start, batch or table.num_rows))
+    return table
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_page_layout_reads_as_lance_reads_it(tmp_path, kernels, version):
+    rng = np.random.default_rng(21)
+    for name, (columns, options) in shapes(rng).items():
+        path = tmp_path / f"{name}_{version}.lance"
+        table = write(path, columns, version, **options)
+        assert table.equals(LanceFileReader(str(path)).read_all().to_table())
+        flat = FlatFile.open(str(path), table.column_names)
+        assert flat is not None, name
+        n = table.num_rows
+        (whole,) = read_ranges([FlatRange(flat, 0, n)], kernels)
+        assert whole.equals(table), name
+        starts = rng.integers(0, n, 40)
+        ranges = [FlatRange(flat, int(a), int(min(n - a, rng.choice([1, 17, 1_024, 4_097, 12_800]))))
+                  for a in starts] + [FlatRange(flat, n - 1, 1), FlatRange(flat, 0, 0)]  # fmt: skip
+        for (_, a, m), got in zip(ranges, read_ranges(ranges, kernels), strict=True):
+            assert got.equals(table.slice(a, m)), (name, a, m)
+        flat.close()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_pages_of_many_batches_and_projections(tmp_path, kernels, version):
+    rng = np.random.default_rng(22)
+    path = tmp_path / "paged.lance"
+    table = write(path, atlas_like(300_001, rng), version, batch=7_777)
+    columns = LanceFileReader(str(path)).metadata().columns
+    assert max(len(c.pages) for c in columns) > 1
+    flat = FlatFile.open(str(path), ["value", "cell"])
+    assert flat is not None
+    wanted = table.select(["value", "cell"])
+    ranges = [FlatRange(flat, int(a), 9_000) for a in rng.integers(0, 300_001 - 9_000, 30)]
+    for (_, a, m), got in zip(ranges, read_ranges(ranges, kernels), strict=True):
+        assert got.equals(wanted.slice(a, m))
+    flat.close()
+
+
+def test_a_nullable_column_or_mini_false_leaves_the_file_to_lance(tmp_path):
+    path = tmp_path / "nulls.lance"
+    values = pa.array([None if i % 7 == 0 else i for i in range(5_000)], pa.uint32())
+    with LanceFileWriter(str(path), pa.schema([("v", pa.uint32())]), version="2.2") as w:
+        w.write_batch(pa.table({"v": values}))
+    assert FlatFile.open(str(path), ["v"]) is None
+    fine = tmp_path / "fine.lance"
+    write(fine, atlas_like(5_000, np.random.default_rng(1)), "2.2")
+    assert FlatFile.open(str(fine), ["gene"], mini=False) is None
+    assert FlatFiles(mini=False).open(str(fine), ["gene"]) is None
+    assert FlatFile.open(str(fine), ["gene"]) is not None
+
+
+def test_a_damaged_chunk_raises_instead_of_returning_wrong_rows(tmp_path, kernels):
+    path = tmp_path / "f.lance"
+    table = write(path, atlas_like(20_000, np.random.default_rng(2)), "2.2")
+    flat = FlatFile.open(str(path), table.column_names)
+    assert flat is not None
+    (page,) = flat._columns[0].mini  # the cell ids: run-length chunks
+    data = bytearray(path.read_bytes())
+    data[page.data_at] = 1  # the first chunk's level count: not 0
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="mini-block chunk"):
+        read_ranges([FlatRange(flat, 0, 100)], kernels)
+    flat.close()
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+def test_the_loader_reads_a_2_2_atlas_without_lance_with_identical_tokens(tmp_path, flat_opens):
+    path = write_dense(tmp_path / "a.slaf", random_counts(600, 80, seed=3, density=0.3),
+                       max_rows_per_file=2_000)  # fmt: skip
+    expression = lance.dataset(str(path / "expression.lance"))
+    assert {f.file_minor_version for x in expression.get_fragments()
+            for f in x.metadata.files} <= {1, 2}  # fmt: skip
+    kernels = Kernels("numba")
+    assert DataFiles.of(expression, COLUMNS, kernels=kernels, mini=True).flat
+    assert not DataFiles.of(expression, COLUMNS, kernels=kernels).flat  # off by default
+    assert not DataFiles.of(expression, COLUMNS, mini=True).flat  # numpy: Lance's decoder
+    kernels.close()
+    opened = flat_opens
+
+    def run(**config):
+        with Loader(open_dataset(path), sampler=BlockShuffle(block_size=3, fetch_factor=4),
+                    batch_size=16, tokenizer="scgpt", max_genes=24, seed=5, kernels="numba",
+                    **config) as loader:  # fmt: skip
+            return [{k: v.numpy() for k, v in batch.items()} for batch in loader]
+
+    flat = run(read_mini_blocks=True)
+    assert any(isinstance(f, FlatFile) for f in opened)  # the decoder was used
+    n_opened = len(opened)
+    by_default = run()
+    assert len(opened) == n_opened  # off by default: no 2.1+ file is tried flat
+    through_lance = run(read_flat=False)
+    assert len(flat) == len(through_lance) == len(by_default) > 0
+    for x, y in zip(flat, through_lance, strict=True):
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_files_after_the_first_open_from_their_footers(tmp_path, kernels, version, lance_opens):
+    rng = np.random.default_rng(23)
+    tables = {}
+    for i, n in enumerate([30_000, 70_001, 5_000, 300_001]):
+        path = str(tmp_path / f"{i}.lance")
+        tables[path] = write(path, atlas_like(n, rng), version, batch=7_777)
+    odd = str(tmp_path / "odd.lance")  # full-width gene ids: plain chunks, not bit-packed
+    columns = atlas_like(20_000, rng)
+    columns["gene"] = rng.integers(0, 2**16, 20_000).astype(np.uint16)
+    tables[odd] = write(odd, columns, version)
+    through_lance = lance_opens
+    files = FlatFiles()
+    paths = list(tables)
+    opened = [files.open(path, ["cell", "gene", "value"]) for path in paths]
+    assert files.format is not None and files.format.layouts
+    assert through_lance == [paths[0], odd]  # the first, and the one laid out otherwise
+    for flat, path in zip(opened, paths, strict=True):
+        assert flat is not None
+        table = tables[path].select(["cell", "gene", "value"])
+        n = table.num_rows
+        ranges = [FlatRange(flat, int(a), int(min(n - a, 9_000))) for a in rng.integers(0, n, 20)]
+        for (_, a, m), got in zip(ranges, read_ranges(ranges, kernels), strict=True):
+            assert got.equals(table.slice(a, m)), (path, a, m)
+        flat.close()
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+def test_files_opened_before_the_decoder_is_loaded_are_read_by_lance_then_flat(
+    tmp_path, monkeypatch
+):
+    path = write_dense(tmp_path / "a.slaf", random_counts(300, 40, seed=4, density=0.3),
+                       max_rows_per_file=1_000)  # fmt: skip
+    expression = lance.dataset(str(path / "expression.lance"))
+    kernels = Kernels("numba")
+    prepare_reads(kernels)
+    loaded = False
+    monkeypatch.setattr(Kernels, "ready", lambda self, name: loaded)
+    files = DataFiles.of(expression, COLUMNS, kernels=kernels, mini=True, threads=1)
+    assert files is not None and files.flat
+    rows = np.array([[10, 500], [1_500, 2_200]], dtype=np.int64)
+    want = [pa.Table.from_batches(list(x)) for x in files.read(rows, COLUMNS)]
+    assert all(isinstance(e.reader, LanceFileReader) and e.provisional
+               for e in files._open.values())  # fmt: skip
+    loaded = True
+    got = [pa.Table.from_batches(list(x)) for x in files.read(rows, COLUMNS)]
+    assert all(isinstance(e.reader, FlatFile) for e in files._open.values())
+    assert all(a.equals(b) for a, b in zip(got, want, strict=True))
+    kernels.close()
