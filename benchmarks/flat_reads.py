@@ -2,11 +2,13 @@
 
 Each run is its own process (``benchmarks/scale.py``'s child: geneformer, batch 32, steady
 cells/s after the first fetch, first batch, peak RSS), the two settings alternating which goes
-first each round, on an atlas in Lance's 2.0 format (``slafload optimize``: the only files the
-flat path reads). Reports medians and each contender's ratio to ChunkShuffle with the same
-setting::
+first each round, on an atlas in Lance's 2.0 format (``slafload optimize``: the files the
+flat path reads by default). Reports medians and each contender's ratio to ChunkShuffle with
+the same setting. ``--setting read_mini_blocks`` A/Bs the decoding of 2.1+ mini-block pages
+instead, on an atlas as written::
 
     python benchmarks/flat_reads.py --atlas /tmp/atlas500k_v20.slaf --rounds 3
+    python benchmarks/flat_reads.py --atlas /tmp/atlas5m.slaf --setting read_mini_blocks
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ METRICS = ("cells_per_s", "first_batch_s", "peak_rss_mb")
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--atlas", required=True, help="a SLAF dataset whose expression is Lance 2.0")
+    p.add_argument("--atlas", required=True, help="a SLAF dataset (Lance 2.0 for read_flat)")
     p.add_argument("--specs", default="chunk,16x256,64x256")
+    p.add_argument("--setting", default="read_flat", choices=["read_flat", "read_mini_blocks"])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-genes", type=int, default=2048)
@@ -49,8 +52,8 @@ def main(argv: list[str] | None = None) -> dict:
     for r in scale.progress(range(args.rounds), desc="rounds"):
         for spec in specs:
             for flat in (True, False) if r % 2 == 0 else (False, True):
-                res = scale.run_child(args.atlas, spec, args, {"read_flat": flat})
-                key = f"{spec} read_flat={flat}"
+                res = scale.run_child(args.atlas, spec, args, {args.setting: flat})
+                key = f"{spec} {args.setting}={flat}"
                 got = {m: res[m] for m in METRICS} if "error" not in res else res
                 runs.setdefault(key, []).append(got)
                 print(key, got, file=sys.stderr, flush=True)
@@ -59,15 +62,15 @@ def main(argv: list[str] | None = None) -> dict:
         ok = [g for g in got if "error" not in g]
         summary[key] = {m: statistics.median(g[m] for g in ok) for m in METRICS} if ok else {}
     for flat in (True, False):
-        chunk = summary.get(f"chunk read_flat={flat}", {}).get("cells_per_s")
+        chunk = summary.get(f"chunk {args.setting}={flat}", {}).get("cells_per_s")
         for spec in specs:
-            row = summary[f"{spec} read_flat={flat}"]
+            row = summary[f"{spec} {args.setting}={flat}"]
             if chunk and row:
                 row["vs_chunk"] = row["cells_per_s"] / chunk
     for spec in specs:
-        on, off = summary[f"{spec} read_flat=True"], summary[f"{spec} read_flat=False"]
+        on, off = summary[f"{spec} {args.setting}=True"], summary[f"{spec} {args.setting}=False"]
         if on and off:
-            on["vs_read_flat_false"] = on["cells_per_s"] / off["cells_per_s"]
+            on[f"vs_{args.setting}_false"] = on["cells_per_s"] / off["cells_per_s"]
     report = {
         "what": __doc__.split("\n\n")[0],
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
