@@ -191,7 +191,7 @@ class DataFiles:
         self.threads = (REMOTE_THREADS if remote else LOCAL_THREADS) if threads is None else threads
         self.flat, self.kernels = flat and not remote, kernels  # pread reads local files
         self._pool = BytePool() if pool is None else pool  # the flat reads' buffers
-        self._flat_files = FlatFiles(mini=mini and kernels.backend == "numba")  # opens them
+        self._flat_files = FlatFiles(mini=mini and kernels.backend == "numba", kernels=kernels)
         self._decoder = False  # the mini-block decode kernel is loaded
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
@@ -459,7 +459,8 @@ class DataFiles:
             mini = self._flat_files.mini and self._decoder_ready()
             if self.flat and (mini or self._v2_0 is None or self._v2_0[index]):
                 flat = self._flat_files.open(self.paths[index], cols, mini=mini)
-            entry.provisional = self.flat and self._flat_files.mini and not mini
+            is_2_0 = self._v2_0 is not None and self._v2_0[index]
+            entry.provisional = self.flat and self._flat_files.mini and not mini and not is_2_0
             if flat is not None:
                 entry.reader = flat
             elif entry.reader is None:

@@ -52,6 +52,7 @@ V2_0 = {(0, 3), (2, 0)}  # the 2.0 format's (major, minor) in file metadata (0.3
 V2_1 = {(2, 1), (2, 2)}  # formats whose pages are mini-block pages (slafload.miniblock)
 CHECK_ROWS = 16  # rows compared with Lance's own read at each end of a file when it is opened
 CHECK_MINI_ROWS = 1 << 14  # ...at the start of a 2.1+ file (several chunks of every kind)
+GIVE_UP = 16  # files tried flat, none readable so, before a table is left to Lance
 
 _FLAT = (
     r"Flat\{bits_per_value:(\d+),"
@@ -133,12 +134,16 @@ class FlatFile:
 
     @classmethod
     def _open(
-        cls, path: str, columns: Sequence[str], *, check: bool, mini: bool = True
-    ) -> tuple[FlatFile | None, FileFormat | None]:
+        cls, path: str, columns: Sequence[str], *, check: bool | tuple[bool, bool],
+        mini: bool = True, kernels: Kernels = NUMPY,
+    ) -> tuple[FlatFile | None, FileFormat | None]:  # fmt: skip
         """:meth:`open`, and the file's :class:`FileFormat` where the file is read flat and
         its footer, parsed here, lists exactly the pages Lance's metadata lists. ``mini``:
         2.1+ files' mini-block pages are decoded here too (:mod:`slafload.miniblock`).
+        ``check``: for a 2.0 and a 2.1+ file, as a pair; the check reads with ``kernels``.
         """
+        if isinstance(check, bool):
+            check = (check, check)
         if not hasattr(os, "preadv"):
             return None, None  # not on this platform (Windows)
         flat: FlatFile | None = None
@@ -177,7 +182,9 @@ class FlatFile:
             flat.schema = pa.schema([stored.field(name) for name in columns])
             flat._columns = picked
             n_check = CHECK_ROWS if rows is None else CHECK_MINI_ROWS
-            agrees = not check or flat._agrees(reader, list(columns), meta.num_rows, n_check)
+            agrees = not check[rows is not None] or flat._agrees(
+                reader, list(columns), meta.num_rows, n_check, kernels
+            )
         except Exception as exc:  # anything unexpected: Lance reads this file
             logger.debug("not reading %s flat: %r", path, exc)
             if flat is not None:
@@ -193,6 +200,11 @@ class FlatFile:
             logger.debug("no flat format from %s: %r", path, exc)
             form = None
         return flat, form
+
+    @property
+    def mini(self) -> bool:
+        """Whether the file's pages are mini-block pages (2.1+), not flat values (2.0)."""
+        return any(c.mini is not None for c in self._columns)
 
     @property
     def num_rows(self) -> int:
@@ -214,17 +226,18 @@ class FlatFile:
         self._closer()
 
     def _agrees(
-        self, reader: LanceFileReader, columns: list[str], num_rows: int, first: int = CHECK_ROWS
-    ) -> bool:
+        self, reader: LanceFileReader, columns: list[str], num_rows: int,
+        first: int = CHECK_ROWS, kernels: Kernels = NUMPY,
+    ) -> bool:  # fmt: skip
         """Whether the file's ``first`` rows and its last :data:`CHECK_ROWS` read the same
-        flat and through Lance, byte for byte (so NaNs compare equal).
+        flat (with ``kernels``) and through Lance, byte for byte (so NaNs compare equal).
         """
         for start, n in sorted({(0, min(first, num_rows)),
                                 (max(0, num_rows - CHECK_ROWS), min(CHECK_ROWS, num_rows))}):  # fmt: skip
             if n == 0:
                 continue
             lance_rows = reader.read_range(start, n).to_table()
-            flat_rows = self.read(start, n)
+            flat_rows = read_ranges([FlatRange(self, start, n)], kernels)[0]
             for name in columns:
                 theirs = lance_rows.column(name)
                 if theirs.null_count or theirs.type != flat_rows.schema.field(name).type:
@@ -268,6 +281,7 @@ def _open_fd(path: str) -> int:
 # buffers and columns, the format's (major, minor), then b"LANC".
 _FOOTER = struct.Struct("<QQQIIHH4s")
 _TAIL = 16 << 10  # bytes read from a file's end to find its metadata (more only if it is larger)
+_MAX_METADATA = 64 << 20  # more than this is not a file this reads (Lance's reader opens it)
 
 
 class _Page(NamedTuple):
@@ -309,6 +323,8 @@ def _parse_footer(fd: int) -> _Footer:
         base, tail = gbo_at, os.pread(fd, size - gbo_at, gbo_at)
     global_at, global_size = struct.unpack_from("<QQ", tail, gbo_at - base)
     first = min(meta_at, global_at)
+    if size - first > _MAX_METADATA:
+        raise ValueError(f"{size - first} bytes of metadata")
     if first < base:  # the metadata did not fit in the tail read: read all of it
         base, tail = first, os.pread(fd, size - first, first)
     if len(tail) != size - base or global_at + global_size > size:
@@ -462,7 +478,11 @@ class FileFormat:
         row count), each 2.0 page one buffer of its rows' values, each mini-block page's
         chunks adding up to its rows and bytes, and the pages to the file's rows.
         """
-        fd = _open_fd(path)
+        try:
+            fd = _open_fd(path)
+        except OSError as exc:  # Lance's open reports it
+            logger.debug("cannot open %s: %r", path, exc)
+            return None
         try:
             footer = _parse_footer(fd)
             picked = self._columns(fd, footer, columns)
@@ -553,10 +573,12 @@ class FlatFiles:
     opened through Lance's metadata instead (without the row check). Thread-safe.
     """
 
-    def __init__(self, *, mini: bool = True) -> None:
+    def __init__(self, *, mini: bool = True, kernels: Kernels = NUMPY) -> None:
         self.mini = mini  # 2.1+ files' mini-block pages decoded too (slafload.miniblock)
+        self.kernels = kernels  # what reads them: the row checks read with them too
         self._format: FileFormat | None = None
-        self._checked = False  # a file has read as Lance reads it
+        self._checked: set[bool] = set()  # kinds (mini-block or not) whose rows were checked
+        self._misses = 0  # files tried before any opened flat
         self._lock = threading.Lock()
 
     @property
@@ -570,6 +592,10 @@ class FlatFiles:
         """The flat reader of ``columns`` of the data file at ``path``, or ``None`` where
         the file is not one this reads exactly (then read it with Lance). ``mini``: open
         2.1+ files' mini-block pages (default: as constructed).
+
+        The first 2.0 file and the first 2.1+ file are checked row by row, and so is every
+        2.1+ file whose footer does not match the format (a page layout the first did not
+        have). After :data:`GIVE_UP` files and none flat, the table is left to Lance.
         """
         mini = self.mini if mini is None else mini
         form = self._format
@@ -577,12 +603,20 @@ class FlatFiles:
             flat = form.open(path, columns)
             if flat is not None:
                 return flat
-        if self._checked:
-            flat, learned = FlatFile._open(path, columns, check=False, mini=mini)
+        if self._misses >= GIVE_UP:
+            return None
+        unseen = bool(form is not None and form.layouts)  # a 2.1+ layout the format lacks
+        check = (False not in self._checked, True not in self._checked or unseen)
+        if not self._checked or unseen:
+            with self._lock:  # the first check at a time
+                flat, learned = FlatFile._open(path, columns, check=check, mini=mini,
+                                               kernels=self.kernels)  # fmt: skip
         else:
-            with self._lock:  # the first file read flat is checked row by row, once
-                flat, learned = FlatFile._open(path, columns, check=not self._checked, mini=mini)
-                self._checked = self._checked or flat is not None
+            flat, learned = FlatFile._open(path, columns, check=check, mini=mini)
+        if flat is None:
+            self._misses += not self._checked
+            return None
+        self._checked.add(flat.mini)
         if self._format is None and learned is not None:
             self._format = learned
         return flat

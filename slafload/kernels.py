@@ -362,7 +362,7 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
             base = scratch_at + chunk_at[c]
             end = scratch_at + chunk_at[c + 1]
             count = chunk_rows[c + 1] - chunk_rows[c]
-            if scratch[base] != 0 or scratch[base + 1] != 0 or lo >= count:
+            if base + header > end or scratch[base] != 0 or scratch[base + 1] != 0 or lo >= count:
                 failed[0] = j
                 return
             size0, size1 = 0, 0
@@ -371,7 +371,7 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                 if kind == 2:
                     size1 |= int(scratch[base + 2 + size_bytes + b]) << (8 * b)
             at = base + header  # the first value buffer, 8-byte aligned
-            if at + size0 > end:
+            if at + size0 > end or size0 < width or size0 % width:
                 failed[0] = j
                 return
             n = min(count - lo, left)  # values of this chunk to write
@@ -393,6 +393,12 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                 runs = size0 // width
                 lengths = at + ((size0 + 7) // 8) * 8
                 if size1 != runs or lengths + size1 > end:
+                    failed[0] = j
+                    return
+                total = 0  # every run counted, as the numpy code does: a short chunk fails
+                for r in range(runs):
+                    total += scratch[lengths + r]
+                if total < count:
                     failed[0] = j
                     return
                 pos, k = 0, 0  # the chunk's value at the start of run r; values written

@@ -58,8 +58,8 @@ _MINIBLOCK = re.compile(
     r"rep_compression:None,def_compression:None,"
     r"value_compression:Some\(CompressiveEncoding\{compression:Some\((?P<values>.*)\)\}\),"
     r"dictionary:None,num_dictionary_items:0,layers:\[RepdefAllValidItem\],"
-    r"num_buffers:(?P<buffers>\d+),repetition_index_depth:0,num_items:(?P<items>\d+),"
-    r"has_large_chunk:(?P<large>true|false)\}\)\)\}"
+    r"num_buffers:(?P<buffers>\d+),repetition_index_depth:0,num_items:(?P<items>\d+)"
+    r"(?:,has_large_chunk:(?P<large>true|false))?\}\)\)\}"  # absent before pylance ~1.0: u16
 )
 _CONSTANT = re.compile(
     r"PageLayout\{layout:Some\(ConstantLayout\(ConstantLayout\{layers:\[RepdefAllValidItem\],"
@@ -127,7 +127,8 @@ def page(fd: int, encoding: str, buffers: list[tuple[int, int]], width: int,
         value = _bytes(raw.group(1)) if raw else b""
         if len(value) != width or buffers:
             return None
-        return MiniPage(CONSTANT, rows, constant=int.from_bytes(value, "little"))
+        bits = int.from_bytes(value, "little", signed=width == 8)  # an int64 job field
+        return MiniPage(CONSTANT, rows, constant=bits)
     found = layout(encoding, width)
     if found is None or found[1] != rows:
         return None
@@ -225,7 +226,7 @@ def decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
         dtype = np.dtype(f"<u{width}")
         target = out[out_at : out_at + rows * width].view(dtype)
         if kind == CONSTANT:
-            target[:] = constant
+            target[:] = constant & ((1 << 8 * width) - 1)
             continue
         written, c = 0, c0
         while written < rows:
@@ -242,10 +243,12 @@ def decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
 def _decode_chunk(chunk: np.ndarray, kind: int, dtype: np.dtype, header: int, size_bytes: int,
                   count: int) -> np.ndarray:  # fmt: skip
     n_buffers = 2 if kind == RLE else 1
-    if int(chunk[:2].view("<u2")[0]) != 0:
-        raise ValueError("a mini-block chunk with levels in a page without them")
+    if len(chunk) < header or int(chunk[:2].view("<u2")[0]) != 0:
+        raise ValueError("a mini-block chunk with levels in a page without them, or too short")
     sizes = chunk[2 : 2 + size_bytes * n_buffers].view(f"<u{size_bytes}").astype(np.int64)
     first = chunk[header : header + sizes[0]]
+    if len(first) != sizes[0] or sizes[0] % dtype.itemsize or sizes[0] < dtype.itemsize:
+        raise ValueError("a mini-block chunk's values of another length")
     if kind == MINI_FLAT:
         values = first.view(dtype)
         if len(values) != count:
@@ -254,7 +257,8 @@ def _decode_chunk(chunk: np.ndarray, kind: int, dtype: np.dtype, header: int, si
     if kind == RLE:
         at = header + (-(-int(sizes[0]) // 8) * 8)
         runs, lengths = first.view(dtype), chunk[at : at + sizes[1]]
-        if len(runs) != len(lengths) or int(lengths.astype(np.int64).sum()) < count:
+        if (len(runs) != len(lengths) or int(lengths.astype(np.int64).sum()) < count
+                or not lengths.all()):  # fmt: skip
             raise ValueError("an RLE chunk of another length")
         return np.repeat(runs, lengths.astype(np.int64))[:count]
     words = first.view(dtype).astype(np.uint64)
