@@ -1,4 +1,6 @@
-"""Read row ranges of local Lance 2.0 data files whose pages are stored flat, without Lance's decoder.
+"""Read row ranges of local Lance data files without Lance's decoder: 2.0 flat pages by ``pread``.
+
+(2.1+ mini-block pages are read the same way, then decoded by :mod:`slafload.miniblock`.)
 
 A data file in Lance's 2.0 format (what ``slafload optimize`` writes) stores each page of a
 fixed-width column with no nulls as one plain buffer: row ``i`` of a page is bytes
@@ -570,7 +572,9 @@ class FlatFiles:
     ``pread`` calls and a few hundred bytes of protobuf: ~0.03 ms, against ~0.4 ms for a
     ``LanceFileReader`` and its metadata; a block sampler opens thousands of files in an
     epoch's first seconds). A file whose footer does not match the format byte for byte is
-    opened through Lance's metadata instead (without the row check). Thread-safe.
+    opened through Lance's metadata instead: row-checked if it is the first of its kind (2.0
+    or 2.1+) or a 2.1+ file with a page layout the format lacks, the check reading with the
+    ``kernels`` that will read it. Thread-safe.
     """
 
     def __init__(self, *, mini: bool = True, kernels: Kernels = NUMPY) -> None:
