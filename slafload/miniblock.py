@@ -76,8 +76,8 @@ class MiniPage:
     kind: int
     rows: int
     data_at: int = 0  # file offset of the chunks (the page's second buffer)
-    chunk_at: np.ndarray | None = None  # int64[chunks + 1]: each chunk's offset, then the size
-    chunk_rows: np.ndarray | None = None  # int64[chunks + 1]: each chunk's first row, then rows
+    chunk_at: np.ndarray | None = None  # int32 (or 64)[chunks + 1]: chunk offsets, then the size
+    chunk_rows: np.ndarray | None = None  # int32 (or 64)[chunks + 1]: first rows, then the rows
     header: int = 0  # bytes from a chunk's start to its first value buffer
     size_bytes: int = 0  # width of the buffer sizes in a chunk's header (2 or 4)
     constant: int = 0  # CONSTANT: the value's bits
@@ -154,15 +154,22 @@ def load(fd: int, layout: Layout, buffers: list[tuple[int, int]], rows: int) -> 
         return None
     counts[-1] = last
     sizes = ((words >> 4) + 1) * 8
-    chunk_at = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    chunk_at = np.concatenate([[0], np.cumsum(sizes)])
     if chunk_at[-1] != data_size:
         return None
     size_bytes = 4 if layout.large else 2
     return MiniPage(
-        layout.kind, rows, data_at, chunk_at,
-        np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+        layout.kind, rows, data_at, _compact(chunk_at),
+        _compact(np.concatenate([[0], np.cumsum(counts)])),
         -(-(2 + size_bytes * layout.n_buffers) // 8) * 8, size_bytes,
     )  # fmt: skip
+
+
+def _compact(prefix: np.ndarray) -> np.ndarray:
+    """A chunk table as ``int32`` where it fits (every page of every open file keeps two:
+    ~12 KB a file instead of ~24 KB at 5M cells, ~50 MB less over 3,816 files).
+    """
+    return prefix.astype(np.int32 if prefix[-1] < 2**31 else np.int64)
 
 
 def _squeezed(encoding: str) -> str:
@@ -198,8 +205,8 @@ def plan(page: MiniPage, start: int, rows: int) -> Plan:
     """The chunks of ``page`` that hold its rows ``[start, start + rows)``."""
     assert page.chunk_at is not None and page.chunk_rows is not None
     first, last = page.chunks(start, rows)
-    at = page.chunk_at[first : last + 1] - page.chunk_at[first]
-    firsts = page.chunk_rows[first : last + 1] - page.chunk_rows[first]
+    at = page.chunk_at[first : last + 1].astype(np.int64) - int(page.chunk_at[first])
+    firsts = page.chunk_rows[first : last + 1].astype(np.int64) - int(page.chunk_rows[first])
     begin = int(page.chunk_rows[first])
     return Plan(page.data_at + int(page.chunk_at[first]), int(at[-1]), at, firsts, start - begin)
 
