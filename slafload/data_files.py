@@ -152,9 +152,10 @@ class DataFiles:
     Args:
         threads: Data files read at once by :meth:`read`; ``None``: :data:`REMOTE_THREADS` on
             an object store, :data:`LOCAL_THREADS` for local paths.
-        flat: Read local files whose pages are flat (Lance 2.0, :mod:`slafload.flat_pages`)
-            without Lance's decoder; ``False`` reads every file through Lance (:meth:`of`
-            passes ``False`` for a table with no 2.0 file, so none is tried).
+        flat: Read local files without Lance's decoder where exact (Lance 2.0 files, and
+            2.1+ ones with ``mini``: :mod:`slafload.flat_pages`); ``False`` reads every file
+            through Lance (:meth:`of` passes ``False`` for a table with no such file, so
+            none is tried).
         kernels: Where flat reads find the ``pread_runs`` kernel (compiled already: the read
             threads never start a compile).
         pool: The buffers flat reads read into (shared by a mixture's sources, so what is
@@ -450,17 +451,17 @@ class DataFiles:
         self, entry: _Open, index: int, cols: tuple[str, ...]
     ) -> LanceFileReader | FlatFile:
         """``entry``'s reader of data file ``index``, opened on first use: flat where the
-        file allows it (local Lance 2.0 files, :mod:`slafload.flat_pages`), else Lance's.
+        file allows it (:mod:`slafload.flat_pages`), else Lance's.
         """
         if entry.reader is None or (entry.provisional and self._decoder_ready()):
             flat = None
             # A 2.1+ file opened before the decoder is loaded (numba's import takes ~0.5 s)
             # is read by Lance meanwhile, not by the numpy decoder (~5x slower).
             mini = self._flat_files.mini and self._decoder_ready()
-            if self.flat and (mini or self._v2_0 is None or self._v2_0[index]):
+            v2_0 = None if self._v2_0 is None else self._v2_0[index]  # None: not known
+            if self.flat and (mini or v2_0 is not False):
                 flat = self._flat_files.open(self.paths[index], cols, mini=mini)
-            is_2_0 = self._v2_0 is not None and self._v2_0[index]
-            entry.provisional = self.flat and self._flat_files.mini and not mini and not is_2_0
+            entry.provisional = self.flat and self._flat_files.mini and not mini and not v2_0
             if flat is not None:
                 entry.reader = flat
             elif entry.reader is None:

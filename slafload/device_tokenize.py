@@ -27,8 +27,8 @@ import torch
 
 from slafload.errors import LayoutError
 from slafload.layout import Arrays, Layout, _split
-from slafload.ragged import RAGGED_KEY, Ragged, _builtin, _offsets
-from slafload.ranges import expand
+from slafload.ragged import RAGGED_KEY, Ragged, _builtin
+from slafload.ranges import expand, run_offsets
 from slafload.tokenizers import CLS, GENE_OFFSET, PAD, SEP, Geneformer, Raw, ScGPT, Tokenizer
 from slafload.types import Chunk
 
@@ -108,10 +108,10 @@ class DeviceTokens:
         expressed = values > 0
         if not expressed.all():
             kept = np.concatenate([[0], np.cumsum(expressed, dtype=np.int64)])
-            lengths = np.diff(kept[_offsets(lengths)])
+            lengths = np.diff(kept[run_offsets(lengths)])
             genes, values = genes[expressed], values[expressed]
         streams = {"genes": genes.astype(np.int32), "values": _torchable(values)}
-        ragged = Ragged(_offsets(lengths), streams)
+        ragged = Ragged(run_offsets(lengths), streams)
         return {RAGGED_KEY: ragged}, c.cell_ids[c.order]
 
     def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
@@ -119,7 +119,7 @@ class DeviceTokens:
         cells, rows = _split(batch)
         n = rows.lengths
         kept, lengths = self.spec.lengths(n)
-        out_offsets = _offsets(lengths)
+        out_offsets = run_offsets(lengths)
         width = self.spec.width if self.layout.name == "padded" else int(lengths.max(initial=0))
         out = {
             "csr_genes": rows.streams["genes"],

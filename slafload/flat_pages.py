@@ -13,9 +13,9 @@ is mostly fixed per call (scheduling the read on Lance's runtime, decoding, expo
 stream; docs/sampling.md, ``benchmarks/range_cost.py``).
 
 Nothing else takes this path: a column whose every page is not exactly the 2.0 encoding
-"no nulls, flat, uncompressed, one page buffer" of the column's own width, a nested or
-boolean field anywhere in the file, a 2.1+ file (mini-block pages, compressed), an object
-store. :meth:`FlatFile.open` checks each file's encodings and page sizes against its row
+"no nulls, flat, uncompressed, one page buffer" of the column's own width (or, with
+``mini``, one of the 2.1+ mini-block layouts :mod:`slafload.miniblock` decodes), a nested or
+boolean field anywhere in the file, an object store. :meth:`FlatFile.open` checks each file's encodings and page sizes against its row
 count and schema, then reads the file's first and last rows both ways and requires them
 equal before it is used; anything else returns ``None`` and the caller keeps Lance's reader.
 
@@ -47,6 +47,7 @@ from lance.file import LanceFileReader
 from slafload import miniblock
 from slafload.buffers import BytePool, fresh
 from slafload.kernels import NUMPY, Kernels
+from slafload.ranges import run_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def flat_bits(encoding: str) -> int | None:
     """Bits per value of a page whose ``encoding`` (pylance's text of it) is a flat,
     uncompressed buffer of values with no nulls; ``None`` for any other encoding.
     """
-    text = re.sub(r"\s+", "", str(encoding)).replace(",)", ")").replace(",}", "}")
+    text = miniblock.squeezed(encoding)
     for pattern in _ENCODINGS:
         match = pattern.fullmatch(text)
         if match:
@@ -102,7 +103,7 @@ class _Column:
 
 
 class FlatFile:
-    """Row ranges of one local Lance 2.0 data file, read by ``preadv`` (see the module docstring).
+    """Row ranges of one local Lance data file, read by ``preadv`` (see the module docstring).
 
     Thread-safe: reads are positional and share no state. The file is closed by
     :meth:`close`, or when the object is collected (as soon as the last reference goes, in
@@ -160,11 +161,17 @@ class FlatFile:
                 return None, None  # one column per field only when each field is a flat primitive
             fd = _open_fd(path)
             flat = cls(path, pa.schema([]), [], fd)  # owns fd from here on
-            rows = (
-                None
-                if version in V2_0
-                else [[p.rows for p in c[1]] for c in _parse_footer(fd).columns]
-            )
+            try:
+                footer: _Footer | None = _parse_footer(fd)
+            except ValueError as exc:  # a 2.0 file still reads flat; no format is learned
+                logger.debug("no footer parsed from %s: %r", path, exc)
+                footer = None
+            rows = None  # 2.1+: each page's rows, which only the footer has
+            if version not in V2_0:
+                if footer is None:
+                    flat.close()
+                    return None, None
+                rows = [[p.rows for p in c] for _, c in footer.columns]
             picked = []
             for name in columns:
                 index = stored.get_field_index(name)
@@ -197,8 +204,8 @@ class FlatFile:
             logger.warning("the flat read of %s disagrees with Lance's; Lance reads it", path)
             return None, None
         try:
-            form = FileFormat.learn(flat.fd, meta)
-        except Exception as exc:  # a footer this does not parse: Lance's metadata each time
+            form = None if footer is None else FileFormat.learn(footer, meta)
+        except Exception as exc:  # a footer this does not follow: Lance's metadata each time
             logger.debug("no flat format from %s: %r", path, exc)
             form = None
         return flat, form
@@ -254,11 +261,16 @@ def _fixed(kind: pa.DataType) -> bool:
     return pa.types.is_integer(kind) or pa.types.is_floating(kind)
 
 
+def _dtype(kind: pa.DataType) -> np.dtype:
+    """The little-endian numpy dtype of a fixed-width Arrow type."""
+    return np.dtype(kind.to_pandas_dtype()).newbyteorder("<")
+
+
 def _column(kind: pa.DataType, pages: Sequence, num_rows: int) -> _Column | None:
     """A column's page table, or ``None`` unless every page is flat values of ``kind``'s
     width and the pages' values add up to the file's rows.
     """
-    dtype = np.dtype(kind.to_pandas_dtype()).newbyteorder("<")
+    dtype = _dtype(kind)
     positions, counts = [], []
     for page in pages:
         if len(page.buffers) != 1 or flat_bits(page.encoding) != 8 * dtype.itemsize:
@@ -270,8 +282,7 @@ def _column(kind: pa.DataType, pages: Sequence, num_rows: int) -> _Column | None
         counts.append(buffer.size // dtype.itemsize)
     if sum(counts) != num_rows:
         return None
-    first = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
-    return _Column(dtype, np.asarray(positions, dtype=np.int64), first)
+    return _Column(dtype, np.asarray(positions, dtype=np.int64), run_offsets(counts))
 
 
 def _open_fd(path: str) -> int:
@@ -436,13 +447,13 @@ class FileFormat:
     layouts: tuple[dict[tuple, miniblock.Layout], ...] = ()  # 2.1+, per column: by layout key
 
     @classmethod
-    def learn(cls, fd: int, meta) -> FileFormat | None:
-        """The format of the file open as ``fd``, whose Lance metadata is ``meta``, or
-        ``None`` unless the footer parsed here lists exactly the pages (buffers, rows) that
-        ``meta`` lists, and Lance describes every page as flat (2.0) or pages of the 2.1+
-        file as mini-block pages :mod:`slafload.miniblock` decodes (those are learned).
+    def learn(cls, footer: _Footer, meta) -> FileFormat | None:
+        """The format of the file whose footer (parsed here) is ``footer`` and whose Lance
+        metadata is ``meta``, or ``None`` unless the footer lists exactly the pages
+        (buffers, rows) that ``meta`` lists, and Lance describes every page as flat (2.0) or
+        pages of the 2.1+ file as mini-block pages :mod:`slafload.miniblock` decodes (those
+        are learned).
         """
-        footer = _parse_footer(fd)
         mini = footer.version in V2_1
         if (footer.version not in V2_0 and not mini) or footer.num_rows != meta.num_rows:
             return None
@@ -454,7 +465,7 @@ class FileFormat:
         ):
             if not _fixed(field.type) or len(pages) != len(theirs.pages):
                 return None
-            width = np.dtype(field.type.to_pandas_dtype()).itemsize
+            width = _dtype(field.type).itemsize
             learned: dict[tuple, miniblock.Layout] = {}
             for page, their in zip(pages, theirs.pages, strict=True):
                 listed = [(b.position, b.size) for b in their.buffers]
@@ -509,11 +520,11 @@ class FileFormat:
             encoding, pages = footer.columns[index]
             if encoding != self.column_encodings[index]:
                 return None
-            dtype = np.dtype(self.schema.field(index).type.to_pandas_dtype()).newbyteorder("<")
+            dtype = _dtype(self.schema.field(index).type)
             rows = [page.rows for page in pages]
             if sum(rows) != footer.num_rows:
                 return None
-            first = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]).astype(np.int64)
+            first = run_offsets(rows)
             if self.layouts:
                 mini = []
                 for page in pages:
@@ -632,7 +643,7 @@ def _mini_column(
     """A 2.1+ column's pages (each read by :mod:`slafload.miniblock`), or ``None`` unless
     every page is one it decodes and the pages' rows add up to the file's.
     """
-    dtype = np.dtype(kind.to_pandas_dtype()).newbyteorder("<")
+    dtype = _dtype(kind)
     if len(rows) != len(pages) or sum(rows) != num_rows:
         return None
     mini = []
@@ -642,8 +653,7 @@ def _mini_column(
         if decoded is None:
             return None
         mini.append(decoded)
-    first = np.concatenate([[0], np.cumsum(rows, dtype=np.int64)]).astype(np.int64)
-    return _Column(dtype, np.zeros(len(mini), dtype=np.int64), first, tuple(mini))
+    return _Column(dtype, np.zeros(len(mini), dtype=np.int64), run_offsets(rows), tuple(mini))
 
 
 class FlatRange(NamedTuple):
@@ -758,7 +768,7 @@ def _decode(scratch: np.ndarray, buffer: np.ndarray, jobs: list[miniblock.Job],
     """Decode the mini-block ``jobs`` from ``scratch`` into ``buffer``: by the
     ``decode_chunks`` kernel where it is compiled, else by :func:`miniblock.decode_chunks`.
     """
-    starts = np.concatenate([[0], np.cumsum([len(a) for a in chunk_at])[:-1]]).tolist()
+    starts = run_offsets([len(a) for a in chunk_at])[:-1].tolist()
     table = miniblock.jobs_array(jobs, starts)
     at, rows = np.concatenate(chunk_at), np.concatenate(chunk_rows)
     tmp = np.empty(1024, dtype=np.uint64)  # a bit-packed chunk's values

@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from slafload.ranges import run_offsets
+
 MINI_FLAT, RLE, BITPACK, CONSTANT = 1, 2, 3, 4  # page kinds (0 is a 2.0 flat page)
 FL_ORDER = np.array([0, 4, 2, 6, 1, 5, 3, 7], dtype=np.int64)  # FastLanes' row order
 _JOB = 9  # int64 fields per decode job (see Job)
@@ -103,7 +105,7 @@ def layout(encoding: str, width: int) -> tuple[Layout, int] | None:
     encoding pylance prints as ``encoding``; ``None`` for any other page (a constant page
     too: :func:`page` reads those).
     """
-    match = _MINIBLOCK.fullmatch(_squeezed(encoding))
+    match = _MINIBLOCK.fullmatch(squeezed(encoding))
     if match is None:
         return None
     found = [(k, m) for k, p in _VALUES.items() if (m := p.fullmatch(match["values"]))]
@@ -122,7 +124,7 @@ def page(fd: int, encoding: str, buffers: list[tuple[int, int]], width: int,
     pylance prints as ``encoding``, with ``buffers`` ``(position, size)``, in the file open
     as ``fd`` (its chunk words read now); ``None`` for any other page.
     """
-    if _CONSTANT.fullmatch(_squeezed(encoding)) is not None:
+    if _CONSTANT.fullmatch(squeezed(encoding)) is not None:
         raw = re.search(r'inline_value:\s*Some\(\s*b"((?:[^"\\]|\\.)*)"', str(encoding))
         value = _bytes(raw.group(1)) if raw else b""
         if len(value) != width or buffers:
@@ -154,13 +156,13 @@ def load(fd: int, layout: Layout, buffers: list[tuple[int, int]], rows: int) -> 
         return None
     counts[-1] = last
     sizes = ((words >> 4) + 1) * 8
-    chunk_at = np.concatenate([[0], np.cumsum(sizes)])
+    chunk_at = run_offsets(sizes)
     if chunk_at[-1] != data_size:
         return None
     size_bytes = 4 if layout.large else 2
     return MiniPage(
         layout.kind, rows, data_at, _compact(chunk_at),
-        _compact(np.concatenate([[0], np.cumsum(counts)])),
+        _compact(run_offsets(counts)),
         -(-(2 + size_bytes * layout.n_buffers) // 8) * 8, size_bytes,
     )  # fmt: skip
 
@@ -172,7 +174,10 @@ def _compact(prefix: np.ndarray) -> np.ndarray:
     return prefix.astype(np.int32 if prefix[-1] < 2**31 else np.int64)
 
 
-def _squeezed(encoding: str) -> str:
+def squeezed(encoding: str) -> str:
+    """pylance's text of a page's encoding without whitespace or trailing commas, the form
+    the encodings are matched in.
+    """
     text = re.sub(r"\s+", "", str(encoding)).replace(",)", ")").replace(",}", "}")
     return text.replace(",]", "]")
 

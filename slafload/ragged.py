@@ -21,6 +21,7 @@ import numpy as np
 from slafload.buffers import fresh
 from slafload.errors import LayoutError
 from slafload.kernels import NUMPY, Kernels
+from slafload.ranges import run_offsets
 from slafload.tokenizers import CLS, SEP, Geneformer, Raw, ScGPT, Tokenizer
 from slafload.tokenizers.builtin import copy_cell_tokens, gene_tokens, scgpt_value_tokens
 from slafload.types import RankedChunk
@@ -106,12 +107,6 @@ def _builtin(tokenizer: Tokenizer) -> type | None:
     return None
 
 
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return offsets
-
-
 def _sentences(
     ranked: RankedChunk, limit: int, width: int, dtype: np.dtype,
     aligned: Sequence[tuple[np.dtype, np.ndarray]] = (), kernels: Kernels = NUMPY,
@@ -122,7 +117,7 @@ def _sentences(
     """
     kept = ranked.output_lengths(limit)
     sep = kept + 1 < width
-    offsets = _offsets(kept + 1 + sep)
+    offsets = run_offsets(kept + 1 + sep)
     starts = offsets[:-1]
     ids = fresh(int(offsets[-1]), dtype)  # CLS, genes and SEP cover every slot
     ids[starts] = CLS
@@ -148,7 +143,7 @@ def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype, kernels: Kernels) -
 
 def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype, kernels: Kernels) -> dict:
     lengths = ranked.output_lengths(tok.max_genes)
-    offsets = _offsets(lengths)
+    offsets = run_offsets(lengths)
     genes = fresh(int(offsets[-1]), dtype)
     values = fresh(int(offsets[-1]), np.float32)
     pairs = [(genes, ranked.genes), (values, ranked.values)]
@@ -166,7 +161,7 @@ def strip(arrays: dict[str, Any], dtype: np.dtype, *, name: str = "") -> dict:
     for key in [k for k, v in arrays.items() if v.shape == mask.shape]:
         stream = arrays.pop(key)[mask]
         streams[key] = stream.astype(dtype) if stream.dtype == np.int64 else stream
-    arrays[RAGGED_KEY] = Ragged(_offsets(mask.sum(axis=1)), streams)
+    arrays[RAGGED_KEY] = Ragged(run_offsets(mask.sum(axis=1)), streams)
     return arrays
 
 

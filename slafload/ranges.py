@@ -9,8 +9,18 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 
 import numpy as np
+
+
+def run_offsets(lengths: np.ndarray | Sequence[int]) -> np.ndarray:
+    """``int64[len(lengths) + 1]``: where each of back-to-back runs of ``lengths`` starts, then
+    their total.
+    """
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
 
 
 def expand(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
