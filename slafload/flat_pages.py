@@ -30,14 +30,16 @@ format's, byte for byte.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import os
 import re
 import struct
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -91,15 +93,26 @@ class _Column:
     positions: np.ndarray  # int64[pages]: byte offset of each page's values (2.0)
     first_rows: np.ndarray  # int64[pages + 1]: row of each page's first value; then the count
     mini: tuple[miniblock.MiniPage, ...] | None = None  # 2.1+: each page's chunks
+    # The same as Python ints, for the per-range lookups of read_ranges (a numpy call each
+    # costs more than the lookup).
+    _rows: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _positions: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
-    def pieces(self, start: int, rows: int) -> Iterator[tuple[int, int, int]]:
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_rows", tuple(self.first_rows.tolist()))
+        object.__setattr__(self, "_positions", tuple(self.positions.tolist()))
+
+    def pieces(self, start: int, rows: int) -> list[tuple[int, int, int]]:
         """``(page, first row in the page, rows)`` of rows ``[start, start + rows)``."""
-        page = int(np.searchsorted(self.first_rows, start, side="right")) - 1
+        firsts = self._rows
+        page = bisect.bisect_right(firsts, start) - 1
         row, stop = start, start + rows
+        out = []
         while row < stop:
-            end = min(stop, int(self.first_rows[page + 1]))
-            yield page, row - int(self.first_rows[page]), end - row
+            end = min(stop, firsts[page + 1])
+            out.append((page, row - firsts[page], end - row))
             row, page = end, page + 1
+        return out
 
 
 class FlatFile:
@@ -460,12 +473,12 @@ class FileFormat:
         if len(footer.columns) != len(meta.columns) or len(meta.columns) != len(meta.schema):
             return None
         encodings, layouts = [], []
-        for field, (_, pages), theirs in zip(
+        for arrow_field, (_, pages), theirs in zip(
             meta.schema, footer.columns, meta.columns, strict=True
         ):
-            if not _fixed(field.type) or len(pages) != len(theirs.pages):
+            if not _fixed(arrow_field.type) or len(pages) != len(theirs.pages):
                 return None
-            width = _dtype(field.type).itemsize
+            width = _dtype(arrow_field.type).itemsize
             learned: dict[tuple, miniblock.Layout] = {}
             for page, their in zip(pages, theirs.pages, strict=True):
                 listed = [(b.position, b.size) for b in their.buffers]
@@ -669,48 +682,67 @@ def read_ranges(
 ) -> list[pa.Table]:
     """The tables of rows ``[start, start + rows)`` of each ``(file, start, rows)``, in order.
 
-    Every column of every range is read into one buffer, by one call of the ``pread_runs``
-    kernel where ``kernels`` has it compiled (one release of the GIL for the lot), else by one
-    ``preadv`` per column and page (each of which must take the GIL back); the tables are
-    zero-copy views of that buffer, taken from ``pool`` where one is given. A read the kernel
-    could not finish (an I/O error, a file cut short) is done again by ``preadv``, which
-    raises its ``OSError``. Mini-block pages (2.1+) are read the same way into a second
-    buffer, the chunks holding each range, then decoded into the first by one call of the
-    ``decode_chunks`` kernel (:mod:`slafload.miniblock`'s numpy code until it is compiled).
+    The files must have the same columns. Every column of every range is read into one
+    buffer, column by column (each column's values of all the ranges back to back), by one
+    call of the ``pread_runs`` kernel where ``kernels`` has it compiled (one release of the
+    GIL for the lot), else by one ``preadv`` per column and page (each of which must take the
+    GIL back); the ranges' tables are zero-copy slices of one table over that buffer, taken
+    from ``pool`` where one is given. A read the kernel could not finish (an I/O error, a file
+    cut short) is done again by ``preadv``, which raises its ``OSError``. Mini-block pages
+    (2.1+) are read the same way into a second buffer, the chunks holding each range, then
+    decoded into the first by one call of the ``decode_chunks`` kernel
+    (:mod:`slafload.miniblock`'s numpy code until it is compiled).
+
+    The planning is a few Python steps per range, column and page (its lookups ``bisect``
+    on Python ints): on the 5M-cell atlas a window holds ~128 ranges from as many files, so
+    there is no per-file batch to vectorize, and every step runs holding the GIL.
     """
+    if not ranges:
+        return []
+    head = ranges[0].file
+    dtypes = [column.dtype for column in head._columns]
+    widths = [dtype.itemsize for dtype in dtypes]
+    row_at = [0, *itertools.accumulate(r.rows for r in ranges)]
+    n_rows = row_at[-1]
+    col_at, total = [], 0  # each column's values of every range, 8-byte aligned
+    for width in widths:
+        col_at.append(total)
+        total = -(-(total + n_rows * width) // 8) * 8
     direct = _Runs()  # plain values: read where they go
     packed = _Runs()  # mini-block chunks: read to be decoded
-    jobs: list[miniblock.Job] = []
+    jobs: list[int] = []  # miniblock.JOB_FIELDS ints per decode job
     chunk_at: list[np.ndarray] = []
     chunk_rows: list[np.ndarray] = []
-    layout = []  # per range: per column (dtype, first byte in the buffer, bytes)
-    total = 0
-    for file, start, rows in ranges:
-        file._check(start, rows)
-        columns = []
-        for column in file._columns:
-            first, width = total, column.dtype.itemsize
+    n_chunks = 0
+    for (file, start, rows), first in zip(ranges, row_at, strict=False):
+        columns = file._columns
+        if len(columns) != len(dtypes) or any(
+            c.dtype != d for c, d in zip(columns, dtypes, strict=True)
+        ):
+            raise ValueError(f"{file.path} has other columns than {head.path}")
+        if start < 0 or rows < 0 or (columns and start + rows > columns[0]._rows[-1]):
+            file._check(start, rows)  # raises the IndexError
+        for column, width, at_col in zip(columns, widths, col_at, strict=True):
+            out = at_col + first * width
             for page, at, n in column.pieces(start, rows):
                 mini = column.mini[page] if column.mini is not None else None
                 if mini is None:
-                    direct.add(file.fd, int(column.positions[page]) + at * width, n * width, total)
+                    direct.add(file.fd, column._positions[page] + at * width, n * width, out)
                 elif mini.kind == miniblock.CONSTANT:
-                    jobs.append(miniblock.Job(mini.kind, width, 0, 0, 0, total, 0, n,
-                                              mini.constant))  # fmt: skip
-                    chunk_at.append(np.zeros(1, np.int64))
-                    chunk_rows.append(np.zeros(1, np.int64))
+                    jobs += (mini.kind, width, 0, 0, 0, out, 0, n, mini.constant, 0)
                 else:
-                    chunks = miniblock.plan(mini, at, n)
-                    jobs.append(miniblock.Job(mini.kind, width, mini.header, mini.size_bytes,
-                                              packed.total, total, chunks.skip, n, 0))  # fmt: skip
-                    chunk_at.append(chunks.chunk_at)
-                    chunk_rows.append(chunks.chunk_rows)
-                    packed.add(file.fd, chunks.offset, chunks.size, packed.total)
+                    rows_of, at_of = mini.tables()
+                    c0 = bisect.bisect_right(rows_of, at) - 1
+                    c1 = max(bisect.bisect_left(rows_of, at + n, c0), c0 + 1)
+                    offset, size = at_of[c0], at_of[c1] - at_of[c0]
+                    jobs += (mini.kind, width, mini.header, mini.size_bytes, packed.total, out,
+                             at - rows_of[c0], n, 0, n_chunks)  # fmt: skip
+                    chunk_at.append(mini.chunk_at[c0 : c1 + 1])  # type: ignore[index]
+                    chunk_rows.append(mini.chunk_rows[c0 : c1 + 1])  # type: ignore[index]
+                    n_chunks += c1 + 1 - c0
+                    packed.add(file.fd, mini.data_at + offset, size, packed.total)
                     packed.total = -(-packed.total // 8) * 8
-                total += n * width
-            columns.append((column.dtype, first, total - first))
-            total = -(-total // 8) * 8  # each column's values 8-byte aligned
-        layout.append(columns)
+                out += n * width
     # Fresh arrays come from buffers.fresh: no huge-page compaction stalls.
     buffer = fresh(total, np.uint8) if pool is None else pool.take(total)
     direct.read(buffer, kernels)
@@ -719,11 +751,10 @@ def read_ranges(
         packed.read(scratch, kernels)
         _decode(scratch, buffer, jobs, chunk_at, chunk_rows, kernels)
         del scratch  # back to the pool
-    tables = []
-    for (file, _, _), columns in zip(ranges, layout, strict=True):
-        arrays = [pa.array(buffer[a : a + n].view(dtype)) for dtype, a, n in columns]
-        tables.append(pa.Table.from_arrays(arrays, schema=file.schema))
-    return tables
+    arrays = [pa.array(buffer[a : a + n_rows * dtype.itemsize].view(dtype))
+              for dtype, a in zip(dtypes, col_at, strict=True)]  # fmt: skip
+    whole = pa.Table.from_arrays(arrays, schema=head.schema)
+    return [whole.slice(first, r.rows) for r, first in zip(ranges, row_at, strict=False)]
 
 
 class _Runs:
@@ -763,14 +794,17 @@ class _Runs:
                 _pread_into(fd, view[at : at + size], offset)
 
 
-def _decode(scratch: np.ndarray, buffer: np.ndarray, jobs: list[miniblock.Job],
+def _decode(scratch: np.ndarray, buffer: np.ndarray, jobs: list[int],
             chunk_at: list[np.ndarray], chunk_rows: list[np.ndarray], kernels: Kernels) -> None:  # fmt: skip
-    """Decode the mini-block ``jobs`` from ``scratch`` into ``buffer``: by the
-    ``decode_chunks`` kernel where it is compiled, else by :func:`miniblock.decode_chunks`.
+    """Decode the mini-block ``jobs`` (:data:`miniblock.JOB_FIELDS` ints each) from ``scratch``
+    into ``buffer``: by the ``decode_chunks`` kernel where it is compiled, else by
+    :func:`miniblock.decode_chunks`. ``chunk_at`` and ``chunk_rows`` hold each job's slices of
+    its page's chunk tables, in job order (a job's last field is where its slices start).
     """
-    starts = run_offsets([len(a) for a in chunk_at])[:-1].tolist()
-    table = miniblock.jobs_array(jobs, starts)
-    at, rows = np.concatenate(chunk_at), np.concatenate(chunk_rows)
+    table = np.asarray(jobs, dtype=np.int64).reshape(-1, miniblock.JOB_FIELDS)
+    z = np.zeros(1, np.int64)
+    at = np.concatenate(chunk_at, dtype=np.int64) if chunk_at else z
+    rows = np.concatenate(chunk_rows, dtype=np.int64) if chunk_rows else z
     tmp = np.empty(1024, dtype=np.uint64)  # a bit-packed chunk's values
     failed = np.full(1, -1, dtype=np.int64)
     args = (scratch[: len(scratch) // 8 * 8], table, at, rows, miniblock.FL_ORDER, tmp)

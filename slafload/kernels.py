@@ -336,7 +336,9 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
     """
     failed[0] = -1
     # Typed views of the same bytes, and a branch per width at each access: passing them to
-    # a helper (a tuple of arrays) made the kernel 15-20x slower.
+    # a helper (a tuple of arrays) made the kernel 15-20x slower. The hot loops index with
+    # unsigned ints: numba wraps a negative signed index, and that check kept LLVM from
+    # vectorizing them (bit-unpacking compiled to scatter stores, ~10x slower on the 5M atlas).
     s16, s32, s64 = scratch.view(np.uint16), scratch.view(np.uint32), scratch.view(np.uint64)
     o16, o32, o64 = out.view(np.uint16), out.view(np.uint32), out.view(np.uint64)
     for j in range(len(jobs)):
@@ -356,11 +358,12 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                     o64[o + i] = value
             continue
         c = jobs[j, 9]
+        c0_at = chunk_at[c] - scratch_at  # chunk offsets are the page's: rebased to scratch_at
         lo = skip  # values of this chunk before the range
         left = rows  # values still to write
         while left > 0:
-            base = scratch_at + chunk_at[c]
-            end = scratch_at + chunk_at[c + 1]
+            base = chunk_at[c] - c0_at
+            end = chunk_at[c + 1] - c0_at
             count = chunk_rows[c + 1] - chunk_rows[c]
             if base + header > end or scratch[base] != 0 or scratch[base + 1] != 0 or lo >= count:
                 failed[0] = j
@@ -395,45 +398,76 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                 if size1 != runs or lengths + size1 > end:
                     failed[0] = j
                     return
-                total = 0  # every run counted, as the numpy code does: a short chunk fails
-                for r in range(runs):
-                    total += scratch[lengths + r]
-                if total < count:
+                # Every run counted and checked, as the numpy code does: a chunk whose runs
+                # are too short, or one of them empty, fails.
+                total, shortest = 0, 255
+                first_length = np.uint64(lengths)
+                for r in range(np.uint64(runs)):
+                    length = scratch[first_length + r]
+                    total += length
+                    shortest = min(shortest, length)
+                if total < count or shortest == 0:
                     failed[0] = j
                     return
-                pos, k = 0, 0  # the chunk's value at the start of run r; values written
                 v0 = at // width
-                for r in range(runs):
-                    length = int(scratch[lengths + r])
-                    if length == 0:
-                        failed[0] = j
-                        return
-                    a, z = max(pos, lo), min(pos + length, lo + n)
-                    if a < z:
-                        if width == 1:
-                            value = np.uint64(scratch[v0 + r])
-                        elif width == 2:
-                            value = np.uint64(s16[v0 + r])
-                        elif width == 4:
-                            value = np.uint64(s32[v0 + r])
+                pos, r = 0, 0  # the first run the range needs, and the value it starts at
+                while pos + scratch[lengths + r] <= lo:
+                    pos += scratch[lengths + r]
+                    r += 1
+                # Its values from lo on, then whole runs. A run of at most 8 values, 8 or
+                # more values before the range's end, is written as 8 (the next run
+                # overwrites the rest): no loop whose length varies run to run (runs average
+                # ~4 values in expression values).
+                k = min(pos + scratch[lengths + r] - lo, n)
+                if width == 2:
+                    value16 = s16[v0 + r]
+                    for i in range(k):
+                        o16[o + i] = value16
+                    r += 1
+                    while k < n:
+                        length = scratch[lengths + r]
+                        value16 = s16[v0 + r]
+                        if length <= 8 and k + 8 <= n:
+                            at_k = np.uint64(o + k)  # unsigned: one vector store
+                            for i in range(np.uint64(8)):
+                                o16[at_k + i] = value16
+                            k += length
                         else:
-                            value = np.uint64(s64[v0 + r])
-                        for i in range(z - a):  # numba: a branch per width, not a helper
+                            take = min(length, n - k)
+                            for i in range(take):
+                                o16[o + k + i] = value16
+                            k += take
+                        r += 1
+                elif width == 4:
+                    value32 = s32[v0 + r]
+                    for i in range(k):
+                        o32[o + i] = value32
+                    r += 1
+                    while k < n:
+                        length = scratch[lengths + r]
+                        value32 = s32[v0 + r]
+                        if length <= 8 and k + 8 <= n:
+                            at_k = np.uint64(o + k)  # unsigned: one vector store
+                            for i in range(np.uint64(8)):
+                                o32[at_k + i] = value32
+                            k += length
+                        else:
+                            take = min(length, n - k)
+                            for i in range(take):
+                                o32[o + k + i] = value32
+                            k += take
+                        r += 1
+                else:  # 1 or 8 bytes: not what expression tables hold, kept simple
+                    while True:
+                        for i in range(k):  # numba: a branch per width, not a helper
                             if width == 1:
-                                out[o + k + i] = value
-                            elif width == 2:
-                                o16[o + k + i] = value
-                            elif width == 4:
-                                o32[o + k + i] = value
+                                out[o + i] = scratch[v0 + r]
                             else:
-                                o64[o + k + i] = value
-                        k += z - a
-                    pos += length
-                    if pos >= lo + n:
-                        break
-                if k != n:
-                    failed[0] = j
-                    return
+                                o64[o + i] = s64[v0 + r]
+                        o, left, n, r = o + k, left - k, n - k, r + 1
+                        if n == 0:
+                            break
+                        k = min(int(scratch[lengths + r]), n)
             else:  # FastLanes bit-packing: the bit width, then width * lanes words
                 bits = 8 * width
                 lanes = 1024 // bits
@@ -450,37 +484,59 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                 if w == 0:
                     for i in range(1024):
                         tmp[i] = 0
-                for row in range(bits if w > 0 else 0):
+                if width == 2 and w > 0:  # u16 (gene ids): 16 rows of 64 lanes, in u32
+                    whole = lo == 0 and n == 1024  # straight to out, else through tmp
+                    t16 = tmp.view(np.uint16)
+                    m16 = np.uint32(mask)
+                    for row in range(16):
+                        word, shift = (row * w) // 16, (row * w) % 16
+                        low = words + 1 + word * 64
+                        down16 = np.uint32(shift)
+                        up16 = np.uint32(16 - shift)
+                        at_row = order[row // 8] * 16 + (row % 8) * 128
+                        dst = o + at_row if whole else at_row
+                        target = o16 if whole else t16
+                        src = np.uint64(low)  # unsigned indices: no negative-index
+                        dst_u = np.uint64(dst)  # wraparound, so the lane loop vectorizes
+                        if shift + w > 16:
+                            for lane in range(np.uint64(64)):
+                                v16 = np.uint32(s16[src + lane]) >> down16
+                                v16 |= np.uint32(s16[src + np.uint64(64) + lane]) << up16
+                                target[dst_u + lane] = v16 & m16
+                        else:
+                            for lane in range(np.uint64(64)):
+                                target[dst_u + lane] = (np.uint32(s16[src + lane]) >> down16) & m16
+                    if not whole:
+                        for i in range(n):
+                            o16[o + i] = t16[lo + i]
+                    o += n
+                    left -= n
+                    lo = 0
+                    c += 1
+                    continue
+                for row in range(bits if w > 0 else 0):  # u8 and u32 (u16 is above)
                     word, shift = (row * w) // bits, (row * w) % bits
-                    low = words + 1 + word * lanes
+                    src = np.uint64(words + 1 + word * lanes)
+                    dst = np.uint64(order[row // 8] * 16 + (row % 8) * 128)
                     up = np.uint64(bits - shift)
                     down = np.uint64(shift)
-                    at_row = order[row // 8] * 16 + (row % 8) * 128
                     if shift + w > bits:  # the value spills into the lane's next word
-                        if width == 2:
-                            for lane in range(lanes):
-                                v = np.uint64(s16[low + lane]) >> down
-                                v |= np.uint64(s16[low + lanes + lane]) << up
-                                tmp[at_row + lane] = v & mask
-                        elif width == 4:
-                            for lane in range(lanes):
-                                v = np.uint64(s32[low + lane]) >> down
-                                v |= np.uint64(s32[low + lanes + lane]) << up
-                                tmp[at_row + lane] = v & mask
+                        if width == 4:
+                            for lane in range(np.uint64(lanes)):
+                                v = np.uint64(s32[src + lane]) >> down
+                                v |= np.uint64(s32[src + np.uint64(lanes) + lane]) << up
+                                tmp[dst + lane] = v & mask
                         else:
-                            for lane in range(lanes):
-                                v = np.uint64(scratch[low + lane]) >> down
-                                v |= np.uint64(scratch[low + lanes + lane]) << up
-                                tmp[at_row + lane] = v & mask
-                    elif width == 2:
-                        for lane in range(lanes):
-                            tmp[at_row + lane] = (np.uint64(s16[low + lane]) >> down) & mask
+                            for lane in range(np.uint64(lanes)):
+                                v = np.uint64(scratch[src + lane]) >> down
+                                v |= np.uint64(scratch[src + np.uint64(lanes) + lane]) << up
+                                tmp[dst + lane] = v & mask
                     elif width == 4:
-                        for lane in range(lanes):
-                            tmp[at_row + lane] = (np.uint64(s32[low + lane]) >> down) & mask
+                        for lane in range(np.uint64(lanes)):
+                            tmp[dst + lane] = (np.uint64(s32[src + lane]) >> down) & mask
                     else:
-                        for lane in range(lanes):
-                            tmp[at_row + lane] = (np.uint64(scratch[low + lane]) >> down) & mask
+                        for lane in range(np.uint64(lanes)):
+                            tmp[dst + lane] = (np.uint64(scratch[src + lane]) >> down) & mask
                 for i in range(n):
                     if width == 1:
                         out[o + i] = tmp[lo + i]

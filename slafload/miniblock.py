@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -39,7 +39,11 @@ from slafload.ranges import run_offsets
 
 MINI_FLAT, RLE, BITPACK, CONSTANT = 1, 2, 3, 4  # page kinds (0 is a 2.0 flat page)
 FL_ORDER = np.array([0, 4, 2, 6, 1, 5, 3, 7], dtype=np.int64)  # FastLanes' row order
-_JOB = 9  # int64 fields per decode job (see Job)
+JOB_FIELDS = 10
+"""Ints per decode job: kind, bytes per value, chunk header bytes, bytes of a chunk's buffer
+sizes, where the job's chunks were read to in the scratch buffer, where its first value goes
+(bytes), values of its first chunk before the range, values to write, a constant page's value
+bits, where its slices of the chunk tables start in the concatenated tables."""
 
 _FLAT = r"Flat\(Flat\{bits_per_value:(\d+),data:None\}\)"
 _BYTES = r"Flat\(Flat\{bits_per_value:8,data:None\}\)"  # u8 run lengths
@@ -83,13 +87,21 @@ class MiniPage:
     header: int = 0  # bytes from a chunk's start to its first value buffer
     size_bytes: int = 0  # width of the buffer sizes in a chunk's header (2 or 4)
     constant: int = 0  # CONSTANT: the value's bits
+    _views: tuple[memoryview, memoryview] | None = field(init=False, repr=False, compare=False)
 
-    def chunks(self, start: int, rows: int) -> tuple[int, int]:
-        """The chunks ``[first, last)`` that hold page rows ``[start, start + rows)``."""
-        assert self.chunk_rows is not None
-        first = int(np.searchsorted(self.chunk_rows, start, side="right")) - 1
-        last = int(np.searchsorted(self.chunk_rows, start + rows, side="left"))
-        return first, max(last, first + 1)
+    def __post_init__(self) -> None:
+        views = None
+        if self.chunk_rows is not None and self.chunk_at is not None:
+            views = (self.chunk_rows.data, self.chunk_at.data)
+        object.__setattr__(self, "_views", views)
+
+    def tables(self) -> tuple[memoryview, memoryview]:
+        """The chunk tables ``(chunk_rows, chunk_at)`` as sequences of Python ints (a lookup
+        by ``bisect`` on them costs less than one numpy call).
+        """
+        views = self._views
+        assert views is not None
+        return views
 
 
 class Layout(NamedTuple):
@@ -182,51 +194,6 @@ def squeezed(encoding: str) -> str:
     return text.replace(",]", "]")
 
 
-class Job(NamedTuple):
-    """What decoding one range of one page takes; :func:`jobs_array` packs them."""
-
-    kind: int
-    width: int  # bytes per value
-    header: int
-    size_bytes: int
-    scratch_at: int  # where the first chunk's bytes were read to
-    out_at: int  # where the first value goes (bytes)
-    skip: int  # values of the first chunk before the range
-    rows: int  # values to write
-    constant: int
-
-
-class Plan(NamedTuple):
-    """The chunks that hold a range of a page's rows."""
-
-    offset: int  # file offset of the first chunk
-    size: int  # bytes of the chunks
-    chunk_at: np.ndarray  # int64[k + 1]: each chunk's offset from the first's, then the size
-    chunk_rows: np.ndarray  # int64[k + 1]: each chunk's first row from the first's, then rows
-    skip: int  # rows of the first chunk before the range
-
-
-def plan(page: MiniPage, start: int, rows: int) -> Plan:
-    """The chunks of ``page`` that hold its rows ``[start, start + rows)``."""
-    assert page.chunk_at is not None and page.chunk_rows is not None
-    first, last = page.chunks(start, rows)
-    at = page.chunk_at[first : last + 1].astype(np.int64) - int(page.chunk_at[first])
-    firsts = page.chunk_rows[first : last + 1].astype(np.int64) - int(page.chunk_rows[first])
-    begin = int(page.chunk_rows[first])
-    return Plan(page.data_at + int(page.chunk_at[first]), int(at[-1]), at, firsts, start - begin)
-
-
-def jobs_array(jobs: list[Job], starts: list[int]) -> np.ndarray:
-    """``int64[len(jobs), 10]``: each job's fields, then where its chunks start in the
-    concatenated chunk arrays.
-    """
-    out = np.zeros((len(jobs), _JOB + 1), dtype=np.int64)
-    if jobs:
-        out[:, :_JOB] = np.asarray(jobs, dtype=np.int64)
-        out[:, _JOB] = starts
-    return out
-
-
 def decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                   chunk_rows: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
     """Decode every job's chunks from ``scratch`` into ``out`` (both ``uint8``): the numpy
@@ -242,9 +209,9 @@ def decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
             continue
         written, c = 0, c0
         while written < rows:
-            base = scratch_at + int(chunk_at[c])
+            base = scratch_at + int(chunk_at[c] - chunk_at[c0])
             count = int(chunk_rows[c + 1] - chunk_rows[c])
-            chunk = scratch[base : scratch_at + int(chunk_at[c + 1])]
+            chunk = scratch[base : scratch_at + int(chunk_at[c + 1] - chunk_at[c0])]
             values = _decode_chunk(chunk, kind, dtype, header, size_bytes, count)
             lo = skip if c == c0 else 0
             n = min(count - lo, rows - written)
