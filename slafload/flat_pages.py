@@ -37,7 +37,6 @@ import os
 import re
 import struct
 import threading
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -85,7 +84,7 @@ def flat_bits(encoding: str) -> int | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Column:
     """One column's pages: where each starts in the file and at which row."""
 
@@ -130,7 +129,7 @@ class FlatFile:
         self.schema = schema
         self._columns = list(columns)
         self.fd = _open_fd(path) if fd is None else fd  # owned from here on
-        self._closer = weakref.finalize(self, os.close, self.fd)
+        self._owned = self.fd  # (a finalizer would be three more objects for the GC to walk)
 
     @classmethod
     def open(
@@ -245,7 +244,12 @@ class FlatFile:
 
     def close(self) -> None:
         """Close the file now (reads after this raise)."""
-        self._closer()
+        owned = self.__dict__.pop("_owned", None)  # one pop wins, whichever thread calls
+        if owned is not None:
+            os.close(owned)
+
+    def __del__(self) -> None:
+        self.close()
 
     def _agrees(
         self, reader: LanceFileReader, columns: list[str], num_rows: int,
@@ -458,6 +462,13 @@ class FileFormat:
     column_encodings: tuple[bytes, ...]
     page_encodings: tuple[frozenset[bytes], ...]  # 2.0, per column: each flat page's encoding
     layouts: tuple[dict[tuple, miniblock.Layout], ...] = ()  # 2.1+, per column: by layout key
+    # Each fixed-width field's (index, dtype), by name: looked up at every open.
+    _fields: dict[str, tuple[int, np.dtype | None]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fields = {f.name: (i, _dtype(f.type) if _fixed(f.type) else None)
+                  for i, f in enumerate(self.schema)}  # fmt: skip
+        object.__setattr__(self, "_fields", fields)
 
     @classmethod
     def learn(cls, footer: _Footer, meta) -> FileFormat | None:
@@ -497,7 +508,7 @@ class FileFormat:
             tuple(encodings), tuple(layouts) if mini else (),
         )  # fmt: skip
 
-    def open(self, path: str, columns: Sequence[str]) -> FlatFile | None:
+    def open(self, path: str, columns: Sequence[str], kernels: Kernels = NUMPY) -> FlatFile | None:
         """The flat reader of ``columns`` of the data file at ``path``, from its footer
         alone, or ``None`` unless its format version, schema, column encodings and every
         page's encoding are this format's, byte for byte (a mini-block page's but for its
@@ -527,17 +538,16 @@ class FileFormat:
             return None
         picked = []
         for name in columns:
-            index = self.schema.get_field_index(name)
-            if index < 0:
+            index, dtype = self._fields.get(name, (-1, None))
+            if dtype is None:
                 return None
             encoding, pages = footer.columns[index]
             if encoding != self.column_encodings[index]:
                 return None
-            dtype = _dtype(self.schema.field(index).type)
-            rows = [page.rows for page in pages]
-            if sum(rows) != footer.num_rows:
+            first = np.fromiter(itertools.accumulate((page.rows for page in pages), initial=0),
+                                np.int64, len(pages) + 1)  # fmt: skip
+            if first[-1] != footer.num_rows:
                 return None
-            first = run_offsets(rows)
             if self.layouts:
                 mini = []
                 for page in pages:
@@ -568,7 +578,25 @@ def _layout_key(page: _Page) -> tuple | None:
     """A mini-block page's encoding as written, but for its row count (``num_items``, field
     9 of ``MiniBlockLayout``, which must equal the page's rows): ``None`` for any other
     page, or one whose ``num_items`` is not its row count.
+
+    Memoized by the encoding's bytes (a table's full pages share a few encodings; parsing
+    them was most of a file's open).
     """
+    key = _LAYOUT_KEYS.get((page.encoding, page.rows), _UNSEEN)
+    if key is _UNSEEN:
+        key = _parse_layout_key(page)
+        if len(_LAYOUT_KEYS) >= _MAX_LAYOUT_KEYS:
+            _LAYOUT_KEYS.clear()
+        _LAYOUT_KEYS[(page.encoding, page.rows)] = key
+    return key  # type: ignore[return-value]
+
+
+_UNSEEN = object()
+_MAX_LAYOUT_KEYS = 4096
+_LAYOUT_KEYS: dict[tuple[bytes, int], tuple | None] = {}  # a memo of pure results: no state
+
+
+def _parse_layout_key(page: _Page) -> tuple | None:
     direct = dict(_message(page.encoding)).get(2)
     wrapped = dict(_message(direct)).get(1) if isinstance(direct, bytes) else None
     if not isinstance(wrapped, bytes):
@@ -731,14 +759,16 @@ def read_ranges(
                 elif mini.kind == miniblock.CONSTANT:
                     jobs += (mini.kind, width, 0, 0, 0, out, 0, n, mini.constant, 0)
                 else:
-                    rows_of, at_of = mini.tables()
-                    c0 = bisect.bisect_right(rows_of, at) - 1
+                    rows_of, at_of = mini.chunk_rows, mini.chunk_at
+                    assert rows_of is not None and at_of is not None
+                    c0 = bisect.bisect_right(rows_of, at) - 1  # bisect: a numpy call costs more
                     c1 = max(bisect.bisect_left(rows_of, at + n, c0), c0 + 1)
-                    offset, size = at_of[c0], at_of[c1] - at_of[c0]
+                    offset = int(at_of[c0])
+                    size = int(at_of[c1]) - offset
                     jobs += (mini.kind, width, mini.header, mini.size_bytes, packed.total, out,
-                             at - rows_of[c0], n, 0, n_chunks)  # fmt: skip
-                    chunk_at.append(mini.chunk_at[c0 : c1 + 1])  # type: ignore[index]
-                    chunk_rows.append(mini.chunk_rows[c0 : c1 + 1])  # type: ignore[index]
+                             at - int(rows_of[c0]), n, 0, n_chunks)  # fmt: skip
+                    chunk_at.append(at_of[c0 : c1 + 1])
+                    chunk_rows.append(rows_of[c0 : c1 + 1])
                     n_chunks += c1 + 1 - c0
                     packed.add(file.fd, mini.data_at + offset, size, packed.total)
                     packed.total = -(-packed.total // 8) * 8

@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-
-from slafload.ranges import run_offsets
 
 MINI_FLAT, RLE, BITPACK, CONSTANT = 1, 2, 3, 4  # page kinds (0 is a 2.0 flat page)
 FL_ORDER = np.array([0, 4, 2, 6, 1, 5, 3, 7], dtype=np.int64)  # FastLanes' row order
@@ -75,7 +73,7 @@ _CONSTANT = re.compile(
 _ESCAPES = {"n": 10, "r": 13, "t": 9, "0": 0, "\\": 92, '"': 34, "'": 39}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MiniPage:
     """One mini-block (or constant) page of a column: where its chunks are and what they hold."""
 
@@ -87,21 +85,6 @@ class MiniPage:
     header: int = 0  # bytes from a chunk's start to its first value buffer
     size_bytes: int = 0  # width of the buffer sizes in a chunk's header (2 or 4)
     constant: int = 0  # CONSTANT: the value's bits
-    _views: tuple[memoryview, memoryview] | None = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        views = None
-        if self.chunk_rows is not None and self.chunk_at is not None:
-            views = (self.chunk_rows.data, self.chunk_at.data)
-        object.__setattr__(self, "_views", views)
-
-    def tables(self) -> tuple[memoryview, memoryview]:
-        """The chunk tables ``(chunk_rows, chunk_at)`` as sequences of Python ints (a lookup
-        by ``bisect`` on them costs less than one numpy call).
-        """
-        views = self._views
-        assert views is not None
-        return views
 
 
 class Layout(NamedTuple):
@@ -161,20 +144,26 @@ def load(fd: int, layout: Layout, buffers: list[tuple[int, int]], rows: int) -> 
     if words_size == 0 or words_size % word.itemsize:
         return None
     words = np.frombuffer(_pread(fd, words_size, words_at), word).astype(np.int64)
-    logs = words & 0xF
-    counts = np.left_shift(np.int64(1), logs)
-    last = rows - int(counts[:-1].sum())
-    if np.any(logs[:-1] == 0) or last <= 0 or (logs[-1] and counts[-1] != last):
+    # A block sampler opens thousands of files in an epoch's first seconds: a few numpy
+    # calls per page, each a ufunc called directly (np.cumsum's Python dispatch cost more).
+    logs = np.bitwise_and(words, 0xF)
+    counts = np.left_shift(1, logs)
+    last = rows - int(np.add.reduce(counts[:-1]))
+    if last <= 0 or (logs[-1] and counts[-1] != last) or not logs[:-1].all():
         return None
     counts[-1] = last
-    sizes = ((words >> 4) + 1) * 8
-    chunk_at = run_offsets(sizes)
-    if chunk_at[-1] != data_size:
+    chunk_at = np.empty(len(words) + 1, np.int64)
+    chunk_at[0] = 0
+    np.add.accumulate(np.right_shift(words, 4) + 1, out=chunk_at[1:])
+    if chunk_at[-1] * 8 != data_size:
         return None
+    chunk_at *= 8
+    chunk_rows = np.empty(len(words) + 1, np.int64)
+    chunk_rows[0] = 0
+    np.add.accumulate(counts, out=chunk_rows[1:])
     size_bytes = 4 if layout.large else 2
     return MiniPage(
-        layout.kind, rows, data_at, _compact(chunk_at),
-        _compact(run_offsets(counts)),
+        layout.kind, rows, data_at, _compact(chunk_at), _compact(chunk_rows),
         -(-(2 + size_bytes * layout.n_buffers) // 8) * 8, size_bytes,
     )  # fmt: skip
 
