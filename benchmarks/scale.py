@@ -6,7 +6,8 @@ opens the dataset, builds a :class:`slafload.Loader`, and reports
 
 * ``first_batch_s``: from the start of ``Loader(...)`` (which opens the dataset) to the first
   batch in hand (imports, torch's ~1 s included, are done before: a training script has; so
-  is numba's start-up, :func:`slafload.kernels.warm_up`, where numba kernels are in use);
+  is numba's start-up, :func:`slafload.kernels.warm_up`, where numba kernels are in use, and
+  the cyclic GC's first full collection after those imports, ``gc.collect()``);
 * ``cells_per_s``: after a warm-up of one fetch's worth of cells (or ``--warm-cells``, if
   more: on a 5M atlas a block sampler opens its thousands of data files over the first ~1M
   cells), over at least ``--fetches`` fetches' worth of cells and ``--min-cells`` cells, or
@@ -25,6 +26,7 @@ with Lance's default data-file size (~1M rows per file); written once if missing
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -81,6 +83,11 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     settings = json.loads(args.settings)
     if settings.get("kernels", "auto") != "numpy":
         slafload.kernels.warm_up()  # numba's start-up, like an import (slafload/kernels.py)
+    # The imports' debt to the cyclic GC, paid now as an import pays it: torch, numba, Polars
+    # and pyarrow leave ~350k tracked objects, and the first full collection after them
+    # (0.13-0.15 s holding the GIL, once per process) otherwise lands in whichever contender's
+    # first timed window allocates most (docs/sampling.md, round 15).
+    gc.collect()
     t0 = time.perf_counter()
     loader = make_loader(args.dataset, args, settings)
     it = iter(loader)
