@@ -89,7 +89,7 @@ class ReadOptions:
     flat: bool = True
     kernels: Kernels = NUMPY
     pool: BytePool | None = None
-    mini: bool = False
+    mini: bool = True
 
     def __post_init__(self) -> None:
         check_int("batch_rows", self.batch_rows)

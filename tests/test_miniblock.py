@@ -186,7 +186,7 @@ def test_the_loader_reads_a_2_2_atlas_without_lance_with_identical_tokens(tmp_pa
     kernels = Kernels("numba")
     try:
         assert DataFiles.of(expression, COLUMNS, kernels=kernels, mini=True).flat
-        assert not DataFiles.of(expression, COLUMNS, kernels=kernels).flat  # off by default
+        assert not DataFiles.of(expression, COLUMNS, kernels=kernels).flat  # mini=False
         assert not DataFiles.of(expression, COLUMNS, mini=True).flat  # numpy: Lance's decoder
     finally:
         kernels.close()
@@ -198,16 +198,17 @@ def test_the_loader_reads_a_2_2_atlas_without_lance_with_identical_tokens(tmp_pa
                     **config) as loader:  # fmt: skip
             return [{k: v.numpy() for k, v in batch.items()} for batch in loader]
 
-    flat = run(read_mini_blocks=True)
+    flat = run()  # on by default
     assert any(isinstance(f, FlatFile) for f in opened)  # the decoder was used
     n_opened = len(opened)
-    by_default = run()
-    assert len(opened) == n_opened  # off by default: no 2.1+ file is tried flat
+    without = run(read_mini_blocks=False)
+    assert len(opened) == n_opened  # off: no 2.1+ file is tried flat
     through_lance = run(read_flat=False)
-    assert len(flat) == len(through_lance) == len(by_default) > 0
-    for x, y in zip(flat, through_lance, strict=True):
+    assert len(flat) == len(through_lance) == len(without) > 0
+    for x, y, z in zip(flat, through_lance, without, strict=True):
         for key in x:
             np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+            np.testing.assert_array_equal(x[key], z[key], err_msg=key)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
