@@ -119,9 +119,10 @@ class LoaderConfig:
         read_threads: Data files those direct reads read at once, on their own threads, in
             ``[1, 256]``. ``None``: 16 on an object store (each range waits on a few
             sequential requests there, so fetches are latency-bound), 4 on local storage
-            (each range read pays a fixed ~0.2 ms of Lance scheduling that overlaps across
-            threads: 1.3-1.6x the block-sampling throughput of 1 thread on 2 cores,
-            docs/sampling.md). A fetch's reads always go on in the background, overlapping
+            read by Lance (each range read pays a fixed ~0.2 ms of Lance scheduling that
+            overlaps across threads: 1.3-1.6x the block-sampling throughput of 1 thread on 2
+            cores), one per core from 2 to 4 where local files are read flat (their Python
+            steps wait for the GIL: on 2 cores 2 threads beat 4 by 11-16%; docs/sampling.md). A fetch's reads always go on in the background, overlapping
             the read-ahead with compute (docs/object-storage.md).
         read_flat: Read local data files in Lance's 2.0 format (``slafload optimize``), whose
             pages are plain arrays, by ``pread`` without Lance's decoder

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import resource
 import threading
 from collections import OrderedDict
@@ -62,6 +63,18 @@ STREAMS_AT_ONCE = 128  # read_range streams alive at once (each holds its pages 
 WINDOW_ROWS = 1 << 21  # ...and rows a read thread holds at once: a window is read whole first
 REMOTE_THREADS = 16  # default threads for object stores: requests wait on latency, not CPU
 LOCAL_THREADS = 4  # default for local files: each range's fixed scheduling cost overlaps
+
+
+def flat_threads() -> int:
+    """Default read threads for a local table read flat: one per core, 2 to :data:`LOCAL_THREADS`.
+
+    Flat reads spend their time in GIL-free kernels, not in Lance's scheduling, and each
+    thread's Python steps (a file's open, a window's plan) wait for the GIL. On 2 cores 2
+    threads beat 4 by 11-16% at ``BlockShuffle(16 and 64, 256)`` on the 5M atlas as written
+    (4 interleaved rounds, first 60k cells; docs/sampling.md). More cores keep up to 4, the
+    Lance path's default (not measured there).
+    """
+    return max(2, min(LOCAL_THREADS, os.cpu_count() or 2))
 
 
 def is_remote(uri: str) -> bool:
@@ -151,7 +164,8 @@ class DataFiles:
 
     Args:
         threads: Data files read at once by :meth:`read`; ``None``: :data:`REMOTE_THREADS` on
-            an object store, :data:`LOCAL_THREADS` for local paths.
+            an object store, :func:`flat_threads` for local paths read flat,
+            :data:`LOCAL_THREADS` for others.
         flat: Read local files without Lance's decoder where exact (Lance 2.0 files, and
             2.1+ ones with ``mini``: :mod:`slafload.flat_pages`); ``False`` reads every file
             through Lance (:meth:`of` passes ``False`` for a table with no such file, so
@@ -189,7 +203,9 @@ class DataFiles:
         if self.max_open < 1:
             raise ValueError(f"max_open must be >= 1, got {self.max_open}")
         remote = bool(self.paths) and is_remote(self.paths[0])
-        self.threads = (REMOTE_THREADS if remote else LOCAL_THREADS) if threads is None else threads
+        if threads is None:
+            threads = REMOTE_THREADS if remote else flat_threads() if flat else LOCAL_THREADS
+        self.threads = threads
         self.flat, self.kernels = flat and not remote, kernels  # pread reads local files
         self._pool = BytePool() if pool is None else pool  # the flat reads' buffers
         self._flat_files = FlatFiles(mini=mini and kernels.backend == "numba", kernels=kernels)

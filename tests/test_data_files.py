@@ -219,10 +219,15 @@ def test_the_first_range_is_ready_while_the_rest_of_the_fetch_is_still_being_rea
 
 
 def test_reads_use_more_threads_by_default_on_object_stores(dataset):
-    from slafload.data_files import LOCAL_THREADS, REMOTE_THREADS, is_remote
+    from slafload.data_files import LOCAL_THREADS, REMOTE_THREADS, flat_threads, is_remote
 
-    assert DataFiles.of(dataset.expression, COLUMNS).threads == LOCAL_THREADS
+    assert DataFiles.of(dataset.expression, COLUMNS).threads == LOCAL_THREADS  # Lance reads
     assert REMOTE_THREADS > LOCAL_THREADS > 1
+    # Local files read flat: one thread per core, 2 to LOCAL_THREADS (their Python waits for
+    # the GIL).
+    assert 2 <= flat_threads() <= LOCAL_THREADS
+    assert DataFiles(["/a"], np.array([0, 10]), flat=True).threads == flat_threads()
+    assert DataFiles(["/a"], np.array([0, 10]), flat=False).threads == LOCAL_THREADS
     assert is_remote("s3://bucket/a.slaf") and is_remote("gs://b/x")
     assert not is_remote("/tmp/a.slaf") and not is_remote("file:///tmp/a.slaf")
     with pytest.raises(ValueError, match="threads must be >= 1"):
