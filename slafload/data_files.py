@@ -74,7 +74,11 @@ def flat_threads() -> int:
     (4 interleaved rounds, first 60k cells; docs/sampling.md). More cores keep up to 4, the
     Lance path's default (not measured there).
     """
-    return max(2, min(LOCAL_THREADS, os.cpu_count() or 2))
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may run on (cpusets)
+    except AttributeError:  # not on every platform
+        cores = os.cpu_count() or 2
+    return max(2, min(LOCAL_THREADS, cores))
 
 
 def is_remote(uri: str) -> bool:
