@@ -56,6 +56,7 @@ V2_0 = {(0, 3), (2, 0)}  # the 2.0 format's (major, minor) in file metadata (0.3
 V2_1 = {(2, 1), (2, 2)}  # formats whose pages are mini-block pages (slafload.miniblock)
 CHECK_ROWS = 16  # rows compared with Lance's own read at each end of a file when it is opened
 CHECK_MINI_ROWS = 1 << 14  # ...at the start of a 2.1+ file (several chunks of every kind)
+MAX_KEYS = 4096  # layout keys a FileFormat memoizes
 GIVE_UP = 16  # files tried flat, none readable so, before a table is left to Lance
 
 _FLAT = (
@@ -230,7 +231,7 @@ class FlatFile:
     @property
     def num_rows(self) -> int:
         """Rows in the file."""
-        return int(self._columns[0].first_rows[-1]) if self._columns else 0
+        return self._columns[0]._rows[-1] if self._columns else 0
 
     def read(self, start: int, rows: int) -> pa.Table:
         """Rows ``[start, start + rows)`` of the file's columns, as one Arrow table."""
@@ -464,11 +465,24 @@ class FileFormat:
     layouts: tuple[dict[tuple, miniblock.Layout], ...] = ()  # 2.1+, per column: by layout key
     # Each fixed-width field's (index, dtype), by name: looked up at every open.
     _fields: dict[str, tuple[int, np.dtype | None]] = field(init=False, repr=False, compare=False)
+    # Layout keys by (page encoding, rows): a table's pages share a few encodings, and
+    # parsing them was most of a file's open.
+    _keys: dict[tuple[bytes, int], tuple | None] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fields = {f.name: (i, _dtype(f.type) if _fixed(f.type) else None)
                   for i, f in enumerate(self.schema)}  # fmt: skip
         object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "_keys", {})
+
+    def _layout_key(self, page: _Page) -> tuple | None:
+        """:func:`_layout_key` of ``page``, memoized (at most :data:`MAX_KEYS` kept)."""
+        memo = (page.encoding, page.rows)
+        if memo not in self._keys:
+            if len(self._keys) >= MAX_KEYS:
+                self._keys.clear()
+            self._keys[memo] = _layout_key(page)
+        return self._keys[memo]
 
     @classmethod
     def learn(cls, footer: _Footer, meta) -> FileFormat | None:
@@ -508,7 +522,7 @@ class FileFormat:
             tuple(encodings), tuple(layouts) if mini else (),
         )  # fmt: skip
 
-    def open(self, path: str, columns: Sequence[str], kernels: Kernels = NUMPY) -> FlatFile | None:
+    def open(self, path: str, columns: Sequence[str]) -> FlatFile | None:
         """The flat reader of ``columns`` of the data file at ``path``, from its footer
         alone, or ``None`` unless its format version, schema, column encodings and every
         page's encoding are this format's, byte for byte (a mini-block page's but for its
@@ -551,7 +565,7 @@ class FileFormat:
             if self.layouts:
                 mini = []
                 for page in pages:
-                    key = _layout_key(page)
+                    key = self._layout_key(page)
                     found = self.layouts[index].get(key) if key is not None else None
                     buffers = list(zip(page.positions, page.sizes, strict=True))
                     loaded = (
@@ -578,25 +592,7 @@ def _layout_key(page: _Page) -> tuple | None:
     """A mini-block page's encoding as written, but for its row count (``num_items``, field
     9 of ``MiniBlockLayout``, which must equal the page's rows): ``None`` for any other
     page, or one whose ``num_items`` is not its row count.
-
-    Memoized by the encoding's bytes (a table's full pages share a few encodings; parsing
-    them was most of a file's open).
     """
-    key = _LAYOUT_KEYS.get((page.encoding, page.rows), _UNSEEN)
-    if key is _UNSEEN:
-        key = _parse_layout_key(page)
-        if len(_LAYOUT_KEYS) >= _MAX_LAYOUT_KEYS:
-            _LAYOUT_KEYS.clear()
-        _LAYOUT_KEYS[(page.encoding, page.rows)] = key
-    return key  # type: ignore[return-value]
-
-
-_UNSEEN = object()
-_MAX_LAYOUT_KEYS = 4096
-_LAYOUT_KEYS: dict[tuple[bytes, int], tuple | None] = {}  # a memo of pure results: no state
-
-
-def _parse_layout_key(page: _Page) -> tuple | None:
     direct = dict(_message(page.encoding)).get(2)
     wrapped = dict(_message(direct)).get(1) if isinstance(direct, bytes) else None
     if not isinstance(wrapped, bytes):
@@ -744,12 +740,9 @@ def read_ranges(
     n_chunks = 0
     for (file, start, rows), first in zip(ranges, row_at, strict=False):
         columns = file._columns
-        if len(columns) != len(dtypes) or any(
-            c.dtype != d for c, d in zip(columns, dtypes, strict=True)
-        ):
+        if [c.dtype for c in columns] != dtypes:
             raise ValueError(f"{file.path} has other columns than {head.path}")
-        if start < 0 or rows < 0 or (columns and start + rows > columns[0]._rows[-1]):
-            file._check(start, rows)  # raises the IndexError
+        file._check(start, rows)
         for column, width, at_col in zip(columns, widths, col_at, strict=True):
             out = at_col + first * width
             for page, at, n in column.pieces(start, rows):

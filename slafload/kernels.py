@@ -458,16 +458,17 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                             k += take
                         r += 1
                 else:  # 1 or 8 bytes: not what expression tables hold, kept simple
+                    done = 0  # values written; k: the next run's, from the first one's
                     while True:
                         for i in range(k):  # numba: a branch per width, not a helper
                             if width == 1:
-                                out[o + i] = scratch[v0 + r]
+                                out[o + done + i] = scratch[v0 + r]
                             else:
-                                o64[o + i] = s64[v0 + r]
-                        o, left, n, r = o + k, left - k, n - k, r + 1
-                        if n == 0:
+                                o64[o + done + i] = s64[v0 + r]
+                        done, r = done + k, r + 1
+                        if done == n:
                             break
-                        k = min(int(scratch[lengths + r]), n)
+                        k = min(int(scratch[lengths + r]), n - done)
             else:  # FastLanes bit-packing: the bit width, then width * lanes words
                 bits = 8 * width
                 lanes = 1024 // bits
