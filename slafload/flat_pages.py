@@ -22,10 +22,11 @@ equal before it is used; anything else returns ``None`` and the caller keeps Lan
 A block sampler on a large atlas opens thousands of data files in an epoch's first seconds,
 and a ``LanceFileReader`` with its metadata costs ~0.4 ms of CPU each. :class:`FlatFiles`
 opens the first file of a table that way and learns the table's :class:`FileFormat` from it
-(its footer parsed here must list exactly the pages Lance listed); every later file is then
-opened from its own footer, parsed here (one or two ``pread`` calls and a few hundred bytes
-of protobuf: ~0.03 ms cached), and read flat only if its schema and encodings are the
-format's, byte for byte.
+(its footer, walked by :mod:`slafload.footer`, must list exactly the pages Lance listed);
+every later file is then opened from its own footer (one ``pread`` of its last bytes, ~1 KB
+of protobuf walked, and in 2.1+ one ``pread`` of each page's chunk words: ~0.07 ms of the GIL
+per file with numba's kernels, ~0.18 ms without, on the 5M atlas), and read flat only if its
+schema and encodings are the format's, byte for byte.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import itertools
 import logging
 import os
 import re
-import struct
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,8 +47,8 @@ from lance.file import LanceFileReader
 
 from slafload import miniblock
 from slafload.buffers import BytePool, fresh
+from slafload.footer import Footer, read_footer
 from slafload.kernels import NUMPY, Kernels
-from slafload.ranges import run_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ V2_0 = {(0, 3), (2, 0)}  # the 2.0 format's (major, minor) in file metadata (0.3
 V2_1 = {(2, 1), (2, 2)}  # formats whose pages are mini-block pages (slafload.miniblock)
 CHECK_ROWS = 16  # rows compared with Lance's own read at each end of a file when it is opened
 CHECK_MINI_ROWS = 1 << 14  # ...at the start of a 2.1+ file (several chunks of every kind)
-MAX_KEYS = 4096  # layout keys a FileFormat memoizes
+MAX_KEYS = 4096  # column selections a FileFormat memoizes the schema of
 GIVE_UP = 16  # files tried flat, none readable so, before a table is left to Lance
 
 _FLAT = (
@@ -85,26 +85,19 @@ def flat_bits(encoding: str) -> int | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class _Column:
-    """One column's pages: where each starts in the file and at which row."""
+class _Column(NamedTuple):
+    """One column's pages: at which row each starts, and where (Python ints: the per-range
+    lookups of :func:`read_ranges` ``bisect`` them, and a numpy call costs more than one).
+    """
 
     dtype: np.dtype
-    positions: np.ndarray  # int64[pages]: byte offset of each page's values (2.0)
-    first_rows: np.ndarray  # int64[pages + 1]: row of each page's first value; then the count
+    rows: tuple[int, ...]  # the row of each page's first value; then the column's rows
+    positions: tuple[int, ...]  # 2.0: file offset of each page's values
     mini: tuple[miniblock.MiniPage, ...] | None = None  # 2.1+: each page's chunks
-    # The same as Python ints, for the per-range lookups of read_ranges (a numpy call each
-    # costs more than the lookup).
-    _rows: tuple[int, ...] = field(init=False, repr=False, compare=False)
-    _positions: tuple[int, ...] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_rows", tuple(self.first_rows.tolist()))
-        object.__setattr__(self, "_positions", tuple(self.positions.tolist()))
 
     def pieces(self, start: int, rows: int) -> list[tuple[int, int, int]]:
         """``(page, first row in the page, rows)`` of rows ``[start, start + rows)``."""
-        firsts = self._rows
+        firsts = self.rows
         page = bisect.bisect_right(firsts, start) - 1
         row, stop = start, start + rows
         out = []
@@ -175,7 +168,7 @@ class FlatFile:
             fd = _open_fd(path)
             flat = cls(path, pa.schema([]), [], fd)  # owns fd from here on
             try:
-                footer: _Footer | None = _parse_footer(fd)
+                footer: Footer | None = read_footer(fd)
             except ValueError as exc:  # a 2.0 file still reads flat; no format is learned
                 logger.debug("no footer parsed from %s: %r", path, exc)
                 footer = None
@@ -184,7 +177,7 @@ class FlatFile:
                 if footer is None:
                     flat.close()
                     return None, None
-                rows = [[p.rows for p in c] for _, c in footer.columns]
+                rows = [[p.rows for p in c] for _, c in footer.columns()]
             picked = []
             for name in columns:
                 index = stored.get_field_index(name)
@@ -231,7 +224,7 @@ class FlatFile:
     @property
     def num_rows(self) -> int:
         """Rows in the file."""
-        return self._columns[0]._rows[-1] if self._columns else 0
+        return self._columns[0].rows[-1] if self._columns else 0
 
     def read(self, start: int, rows: int) -> pa.Table:
         """Rows ``[start, start + rows)`` of the file's columns, as one Arrow table."""
@@ -300,152 +293,11 @@ def _column(kind: pa.DataType, pages: Sequence, num_rows: int) -> _Column | None
         counts.append(buffer.size // dtype.itemsize)
     if sum(counts) != num_rows:
         return None
-    return _Column(dtype, np.asarray(positions, dtype=np.int64), run_offsets(counts))
+    return _Column(dtype, tuple(itertools.accumulate(counts, initial=0)), tuple(positions))
 
 
 def _open_fd(path: str) -> int:
     return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-
-
-# The footer of a Lance 2.x data file (lance-file's v2 writer): where the column metadata, the
-# column metadata offset table and the global buffer offset table start, how many global
-# buffers and columns, the format's (major, minor), then b"LANC".
-_FOOTER = struct.Struct("<QQQIIHH4s")
-_TAIL = 16 << 10  # bytes read from a file's end to find its metadata (more only if it is larger)
-_MAX_METADATA = 64 << 20  # more than this is not a file this reads (Lance's reader opens it)
-
-
-class _Page(NamedTuple):
-    positions: list[int]  # file offset of each of the page's buffers
-    sizes: list[int]  # and its bytes
-    rows: int
-    encoding: bytes  # the page's ``Encoding`` message, as written
-
-
-class _Footer(NamedTuple):
-    """What :func:`_parse_footer` reads of a data file's metadata."""
-
-    version: tuple[int, int]
-    schema: bytes  # the ``FileDescriptor.schema`` message, as written
-    num_rows: int
-    columns: list[tuple[bytes, list[_Page]]]  # per column: its ``ColumnEncoding``, its pages
-
-
-def _parse_footer(fd: int) -> _Footer:
-    """The metadata of the Lance 2.x data file open as ``fd``, parsed from its bytes: one or
-    two ``pread`` calls and a walk of a few hundred bytes of protobuf (lance-file's
-    ``file2.proto``: ``ColumnMetadata{encoding=1, pages=2}``, ``Page{buffer_offsets=1,
-    buffer_sizes=2, length=3, encoding=4}``; global buffer 0 is ``FileDescriptor{schema=1,
-    length=2}``). Raises ``ValueError`` on anything it does not recognise.
-    """
-    size = os.fstat(fd).st_size
-    if size < _FOOTER.size:
-        raise ValueError("too short for a Lance file")
-    base = max(0, size - _TAIL)
-    tail = os.pread(fd, size - base, base)
-    meta_at, cmo_at, gbo_at, n_global, n_columns, major, minor, magic = _FOOTER.unpack_from(
-        tail, len(tail) - _FOOTER.size
-    )
-    if magic != b"LANC" or n_global < 1 or not meta_at <= cmo_at <= gbo_at < size:
-        raise ValueError("not a Lance 2.x footer")
-    if gbo_at + 16 * n_global > size or cmo_at + 16 * n_columns > gbo_at:
-        raise ValueError("offset tables out of bounds")
-    if gbo_at < base:
-        base, tail = gbo_at, os.pread(fd, size - gbo_at, gbo_at)
-    global_at, global_size = struct.unpack_from("<QQ", tail, gbo_at - base)
-    first = min(meta_at, global_at)
-    if size - first > _MAX_METADATA:
-        raise ValueError(f"{size - first} bytes of metadata")
-    if first < base:  # the metadata did not fit in the tail read: read all of it
-        base, tail = first, os.pread(fd, size - first, first)
-    if len(tail) != size - base or global_at + global_size > size:
-        raise ValueError("metadata out of bounds")
-    view = memoryview(tail)
-
-    def span(at: int, n: int) -> memoryview:
-        if at < base or at + n > size:
-            raise ValueError("metadata out of bounds")
-        return view[at - base : at - base + n]
-
-    descriptor = dict(_message(span(global_at, global_size)))
-    schema, num_rows = descriptor.get(1), descriptor.get(2)
-    if not isinstance(schema, bytes) or not isinstance(num_rows, int):
-        raise ValueError("no file descriptor")
-    table = struct.unpack_from(f"<{2 * n_columns}Q", tail, cmo_at - base)
-    columns = []
-    for at, n in zip(table[::2], table[1::2], strict=True):
-        encoding, pages = b"", []
-        for number, value in _message(span(at, n)):
-            if number == 1 and isinstance(value, bytes):
-                encoding = value
-            elif number == 2 and isinstance(value, bytes):
-                pages.append(_page(value))
-        columns.append((encoding, pages))
-    return _Footer((major, minor), schema, num_rows, columns)
-
-
-def _page(message: bytes) -> _Page:
-    positions: list[int] = []
-    sizes: list[int] = []
-    rows, encoding = 0, b""
-    for number, value in _message(message):
-        if number in (1, 2):
-            into = positions if number == 1 else sizes
-            into.extend(_packed(value) if isinstance(value, bytes) else [value])
-        elif number == 3 and isinstance(value, int):
-            rows = value
-        elif number == 4 and isinstance(value, bytes):
-            encoding = value
-    return _Page(positions, sizes, rows, encoding)
-
-
-def _varint(data: bytes | memoryview, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, i
-        shift += 7
-        if shift > 63:
-            raise ValueError("varint too long")
-
-
-def _packed(data: bytes) -> list[int]:
-    values, i = [], 0
-    while i < len(data):
-        value, i = _varint(data, i)
-        values.append(value)
-    return values
-
-
-def _message(data: bytes | memoryview) -> list[tuple[int, int | bytes]]:
-    """The ``(field number, value)`` pairs of a protobuf message: varints as ``int``,
-    length-delimited fields as ``bytes``, fixed-width ones as their little-endian ``int``.
-    """
-    fields: list[tuple[int, int | bytes]] = []
-    i, end = 0, len(data)
-    while i < end:
-        key, i = _varint(data, i)
-        number, wire = key >> 3, key & 7
-        value: int | bytes
-        if wire == 0:
-            value, i = _varint(data, i)
-        elif wire == 2:
-            n, i = _varint(data, i)
-            if i + n > end:
-                raise ValueError("truncated protobuf")
-            value, i = bytes(data[i : i + n]), i + n
-        elif wire in (1, 5):
-            n = 8 if wire == 1 else 4
-            if i + n > end:
-                raise ValueError("truncated protobuf")
-            value, i = int.from_bytes(data[i : i + n], "little"), i + n
-        else:
-            raise ValueError(f"protobuf wire type {wire}")
-        fields.append((number, value))
-    return fields
 
 
 @dataclass(frozen=True)
@@ -465,27 +317,16 @@ class FileFormat:
     layouts: tuple[dict[tuple, miniblock.Layout], ...] = ()  # 2.1+, per column: by layout key
     # Each fixed-width field's (index, dtype), by name: looked up at every open.
     _fields: dict[str, tuple[int, np.dtype | None]] = field(init=False, repr=False, compare=False)
-    # Layout keys by (page encoding, rows): a table's pages share a few encodings, and
-    # parsing them was most of a file's open.
-    _keys: dict[tuple[bytes, int], tuple | None] = field(init=False, repr=False, compare=False)
+    _schemas: dict[tuple[str, ...], pa.Schema] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fields = {f.name: (i, _dtype(f.type) if _fixed(f.type) else None)
                   for i, f in enumerate(self.schema)}  # fmt: skip
         object.__setattr__(self, "_fields", fields)
-        object.__setattr__(self, "_keys", {})
-
-    def _layout_key(self, page: _Page) -> tuple | None:
-        """:func:`_layout_key` of ``page``, memoized (at most :data:`MAX_KEYS` kept)."""
-        memo = (page.encoding, page.rows)
-        if memo not in self._keys:
-            if len(self._keys) >= MAX_KEYS:
-                self._keys.clear()
-            self._keys[memo] = _layout_key(page)
-        return self._keys[memo]
+        object.__setattr__(self, "_schemas", {})
 
     @classmethod
-    def learn(cls, footer: _Footer, meta) -> FileFormat | None:
+    def learn(cls, footer: Footer, meta) -> FileFormat | None:
         """The format of the file whose footer (parsed here) is ``footer`` and whose Lance
         metadata is ``meta``, or ``None`` unless the footer lists exactly the pages
         (buffers, rows) that ``meta`` lists, and Lance describes every page as flat (2.0) or
@@ -495,12 +336,11 @@ class FileFormat:
         mini = footer.version in V2_1
         if (footer.version not in V2_0 and not mini) or footer.num_rows != meta.num_rows:
             return None
-        if len(footer.columns) != len(meta.columns) or len(meta.columns) != len(meta.schema):
+        columns = footer.columns()
+        if len(columns) != len(meta.columns) or len(meta.columns) != len(meta.schema):
             return None
         encodings, layouts = [], []
-        for arrow_field, (_, pages), theirs in zip(
-            meta.schema, footer.columns, meta.columns, strict=True
-        ):
+        for arrow_field, (_, pages), theirs in zip(meta.schema, columns, meta.columns, strict=True):
             if not _fixed(arrow_field.type) or len(pages) != len(theirs.pages):
                 return None
             width = _dtype(arrow_field.type).itemsize
@@ -510,7 +350,8 @@ class FileFormat:
                 if list(zip(page.positions, page.sizes, strict=True)) != listed:
                     return None
                 if mini:
-                    found, key = miniblock.layout(their.encoding, width), _layout_key(page)
+                    found = miniblock.layout(their.encoding, width)
+                    key = page.key
                     if found is not None and key is not None and found[1] == page.rows:
                         learned[key] = found[0]
                 elif flat_bits(their.encoding) != 8 * width or page.sizes != [page.rows * width]:
@@ -518,16 +359,20 @@ class FileFormat:
             encodings.append(frozenset(() if mini else (page.encoding for page in pages)))
             layouts.append(learned)
         return cls(
-            meta.schema, footer.version, footer.schema, tuple(e for e, _ in footer.columns),
+            meta.schema, footer.version, footer.schema, tuple(e for e, _ in columns),
             tuple(encodings), tuple(layouts) if mini else (),
         )  # fmt: skip
 
-    def open(self, path: str, columns: Sequence[str]) -> FlatFile | None:
+    def open(self, path: str, columns: Sequence[str], kernels: Kernels = NUMPY) -> FlatFile | None:
         """The flat reader of ``columns`` of the data file at ``path``, from its footer
         alone, or ``None`` unless its format version, schema, column encodings and every
         page's encoding are this format's, byte for byte (a mini-block page's but for its
         row count), each 2.0 page one buffer of its rows' values, each mini-block page's
         chunks adding up to its rows and bytes, and the pages to the file's rows.
+
+        The footer is walked and the chunk tables built by ``kernels`` where it has them
+        compiled (``walk_footer``, ``chunk_tables``), else in Python; the file opens the same
+        either way.
         """
         try:
             fd = _open_fd(path)
@@ -535,89 +380,124 @@ class FileFormat:
             logger.debug("cannot open %s: %r", path, exc)
             return None
         try:
-            footer = _parse_footer(fd)
-            picked = self._columns(fd, footer, columns)
+            picked = self._columns(fd, read_footer(fd, kernels.run), columns, kernels)
         except Exception as exc:  # anything unexpected: opened as the first file was
             logger.debug("no flat footer for %s: %r", path, exc)
             picked = None
         if picked is None:
             os.close(fd)
             return None
-        return FlatFile(path, pa.schema([self.schema.field(n) for n in columns]), picked, fd)
+        return FlatFile(path, self._schema_of(columns), picked, fd)
 
-    def _columns(self, fd: int, footer: _Footer, columns: Sequence[str]) -> list[_Column] | None:
+    def _schema_of(self, columns: Sequence[str]) -> pa.Schema:
+        """The Arrow schema of ``columns`` (memoized: every open asks for it)."""
+        key = tuple(columns)
+        schema = self._schemas.get(key)
+        if schema is None:
+            schema = pa.schema([self.schema.field(name) for name in key])
+            if len(self._schemas) < MAX_KEYS:
+                self._schemas[key] = schema
+        return schema
+
+    def _columns(
+        self, fd: int, footer: Footer, columns: Sequence[str], kernels: Kernels = NUMPY
+    ) -> list[_Column] | None:
         if footer.version != self.version or footer.schema != self.written_schema:
             return None
-        if len(footer.columns) != len(self.column_encodings):
+        if footer.n_columns != len(self.column_encodings):
             return None
-        picked = []
+        picked: list[_Column] = []
+        mini_columns: list[tuple[np.dtype, tuple[int, ...]]] = []
+        wanted = []  # 2.1+: every mini-block page of the columns, loaded together
         for name in columns:
             index, dtype = self._fields.get(name, (-1, None))
             if dtype is None:
                 return None
-            encoding, pages = footer.columns[index]
+            encoding, n_pages, k = footer.column(index)
             if encoding != self.column_encodings[index]:
                 return None
-            first = np.fromiter(itertools.accumulate((page.rows for page in pages), initial=0),
-                                np.int64, len(pages) + 1)  # fmt: skip
+            pages = footer.pages(k, n_pages)
+            first = tuple(itertools.accumulate((page.rows for page in pages), initial=0))
             if first[-1] != footer.num_rows:
                 return None
             if self.layouts:
-                mini = []
-                for page in pages:
-                    key = self._layout_key(page)
+                for positions, sizes, rows, _, key in pages:
                     found = self.layouts[index].get(key) if key is not None else None
-                    buffers = list(zip(page.positions, page.sizes, strict=True))
-                    loaded = (
-                        None if found is None else miniblock.load(fd, found, buffers, page.rows)
-                    )
-                    if loaded is None:
+                    if found is None:
                         return None
-                    mini.append(loaded)
-                picked.append(_Column(dtype, np.zeros(len(mini), np.int64), first, tuple(mini)))
+                    wanted.append((found, list(zip(positions, sizes, strict=True)), rows))
+                mini_columns.append((dtype, first))
                 continue
             if not all(
-                page.encoding in self.page_encodings[index]
-                and len(page.positions) == 1
-                and page.sizes == [page.rows * dtype.itemsize]
-                for page in pages
+                page_encoding in self.page_encodings[index]
+                and len(positions) == 1
+                and sizes == [rows * dtype.itemsize]
+                for positions, sizes, rows, page_encoding, _ in pages
             ):
                 return None
-            positions = np.asarray([page.positions[0] for page in pages], dtype=np.int64)
-            picked.append(_Column(dtype, positions, first))
+            picked.append(_Column(dtype, first, tuple(page.positions[0] for page in pages)))
+        if not self.layouts:
+            return picked
+        mini = _load_pages(fd, wanted, kernels)
+        if mini is None:
+            return None
+        done = 0
+        for dtype, first in mini_columns:
+            n = len(first) - 1
+            picked.append(_Column(dtype, first, (0,) * n, tuple(mini[done : done + n])))
+            done += n
         return picked
 
 
-def _layout_key(page: _Page) -> tuple | None:
-    """A mini-block page's encoding as written, but for its row count (``num_items``, field
-    9 of ``MiniBlockLayout``, which must equal the page's rows): ``None`` for any other
-    page, or one whose ``num_items`` is not its row count.
+def _load_pages(
+    fd: int, pages: list[tuple[miniblock.Layout, list[tuple[int, int]], int]], kernels: Kernels
+) -> list[miniblock.MiniPage] | None:
+    """:func:`miniblock.load` of each ``(layout, buffers, rows)`` of the file open as ``fd``
+    (``None`` if any is not what its layout says): all by one call of the ``chunk_tables``
+    kernel where ``kernels`` has it compiled (the GIL released for every page's ``pread``
+    and tables; the tables are ``int32`` slices of one array, as :func:`miniblock.load`
+    compacts them), else one by one.
     """
-    direct = dict(_message(page.encoding)).get(2)
-    wrapped = dict(_message(direct)).get(1) if isinstance(direct, bytes) else None
-    if not isinstance(wrapped, bytes):
-        return None
-    any_ = _message(wrapped)
-    kind, value = dict(any_).get(1), dict(any_).get(2)
-    if kind != b"/lance.encodings21.PageLayout" or not isinstance(value, bytes):
-        return None
-    layout = _message(value)
-    if len(layout) != 1 or layout[0][0] != 1 or not isinstance(layout[0][1], bytes):
-        return None  # not (only) a mini-block layout
-    fields = _message(layout[0][1])
-    if [v for n, v in fields if n == 9] != [page.rows]:
-        return None
-    return tuple((n, v) for n, v in fields if n != 9)
+    jobs: list[int] = []
+    at = longest = 0
+    for layout, buffers, rows in pages:
+        width = 4 if layout.large else 2
+        if len(buffers) != 2 or buffers[0][1] == 0 or buffers[0][1] % width:
+            return None  # as miniblock.load
+        (words_at, words_size), (_, data_size) = buffers
+        if max(data_size, rows) >= 2**31:  # int64 tables: miniblock.load builds them
+            jobs = []
+            break
+        jobs += (words_at, words_size, data_size, rows, width, at)
+        at += 2 * (words_size // width + 1)
+        longest = max(longest, words_size)
+    if jobs:
+        table = np.asarray(jobs, np.int64).reshape(-1, 6)
+        tables = np.empty(at, np.int32)
+        failed = np.full(1, -1, np.int64)
+        if kernels.run("chunk_tables", fd, table, np.empty(longest, np.uint8), tables, failed,
+                       start=False):  # fmt: skip
+            if failed[0] >= 0:
+                return None
+            out = []
+            for (layout, buffers, rows), job in zip(pages, table.tolist(), strict=True):
+                start, n = job[5], job[1] // job[4] + 1  # a page's tables: chunks + 1 each
+                out.append(miniblock.mini_page(layout, rows, buffers[1][0],
+                                               tables[start : start + n],
+                                               tables[start + n : start + 2 * n]))  # fmt: skip
+            return out
+    loaded = [miniblock.load(fd, layout, buffers, rows) for layout, buffers, rows in pages]
+    return None if any(page is None for page in loaded) else loaded  # type: ignore[return-value]
 
 
 class FlatFiles:
     """Opens the local data files of one table flat where they allow it.
 
     The first file that reads flat is opened as :meth:`FlatFile.open` opens a file: Lance's
-    metadata, then its first and last rows read both ways and compared. Its footer, parsed
-    here, must list exactly the pages Lance listed; it then becomes the table's
-    :class:`FileFormat`, and every later file is opened from its own footer alone (one or two
-    ``pread`` calls and a few hundred bytes of protobuf: ~0.03 ms, against ~0.4 ms for a
+    metadata, then its first and last rows read both ways and compared. Its footer
+    (:mod:`slafload.footer`) must list exactly the pages Lance listed; it then becomes the
+    table's :class:`FileFormat`, and every later file is opened from its own footer alone
+    (:meth:`FileFormat.open`: ~0.07 ms with numba's kernels, against ~0.4 ms for a
     ``LanceFileReader`` and its metadata; a block sampler opens thousands of files in an
     epoch's first seconds). A file whose footer does not match the format byte for byte is
     opened through Lance's metadata instead: row-checked if it is the first of its kind (2.0
@@ -652,7 +532,7 @@ class FlatFiles:
         mini = self.mini if mini is None else mini
         form = self._format
         if form is not None and (mini or not form.layouts):
-            flat = form.open(path, columns)
+            flat = form.open(path, columns, self.kernels)
             if flat is not None:
                 return flat
         if self._misses >= GIVE_UP:
@@ -690,7 +570,9 @@ def _mini_column(
         if decoded is None:
             return None
         mini.append(decoded)
-    return _Column(dtype, np.zeros(len(mini), dtype=np.int64), run_offsets(rows), tuple(mini))
+    return _Column(
+        dtype, tuple(itertools.accumulate(rows, initial=0)), (0,) * len(mini), tuple(mini)
+    )
 
 
 class FlatRange(NamedTuple):
@@ -748,7 +630,7 @@ def read_ranges(
             for page, at, n in column.pieces(start, rows):
                 mini = column.mini[page] if column.mini is not None else None
                 if mini is None:
-                    direct.add(file.fd, column._positions[page] + at * width, n * width, out)
+                    direct.add(file.fd, column.positions[page] + at * width, n * width, out)
                 elif mini.kind == miniblock.CONSTANT:
                     jobs += (mini.kind, width, 0, 0, 0, out, 0, n, mini.constant, 0)
                 else:

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from slafload.footer import walk
+
 BACKENDS = ("auto", "numba", "numpy")
 _IMPORT = ("import",)  # the compile thread's first job: importing numba
 _COMPILED: dict[tuple, Any] = {}
@@ -41,6 +43,21 @@ _COMPILED: dict[tuple, Any] = {}
 types. Compiled code is numba's and lives as long as the process whatever we do (a dispatcher
 made per loader leaked ~0.1 MB each, and cost a cache load), so loaders share it: a loader's
 :class:`Kernels` owns only its compile thread."""
+_KIND = ("kind",)
+"""Under ``(*_KIND, kernel, *kinds)``, :data:`_COMPILED` also holds each kernel it has compiled by
+:func:`_kind` of each argument: ``numba.typeof`` of an array costs ~15 us, and opening a data
+file from its footer calls two kernels (so every open paid ~60 us for that)."""
+
+
+def _kind(arg: Any) -> Any:
+    """What numba types ``arg`` by, cheaply: an array's dtype, dimensions, layout, whether it
+    is writeable and aligned; any other value's Python type (the kernels take ints that fit
+    an ``int64``: offsets, sizes, file descriptors).
+    """
+    if isinstance(arg, np.ndarray):
+        f = arg.flags
+        return arg.dtype.str, arg.ndim, f.c_contiguous, f.f_contiguous, f.writeable, f.aligned
+    return type(arg)
 
 
 def numba_available() -> bool:
@@ -84,7 +101,14 @@ class Kernels:
         thread: for calls from threads that may outlive the loader (the read threads), whose
         kernels :meth:`prepare` compiles.
         """
-        if self.backend == "numpy" or any(getattr(a, "dtype", None) == np.float16 for a in args):
+        if self.backend == "numpy":
+            return False
+        kinds = (*_KIND, name, *map(_kind, args))
+        kernel = _COMPILED.get(kinds)
+        if kernel is not None:
+            kernel(*args)
+            return True
+        if any(getattr(a, "dtype", None) == np.float16 for a in args):
             return False  # numba has no float16 arithmetic
         numba = _COMPILED.get(_IMPORT)
         if numba is None and start:
@@ -97,6 +121,7 @@ class Kernels:
             kernel = self._background(key, _compile, key)
         if kernel is None:
             return False
+        _COMPILED[kinds] = kernel
         kernel(*args)
         return True
 
@@ -179,9 +204,11 @@ def warm_up() -> bool:
 
 
 def prepare_reads(kernels: Kernels) -> None:
-    """Have ``kernels`` compile what :func:`slafload.flat_pages.read_ranges` runs (``pread_runs``
-    and ``decode_chunks``; in the
-    background, or now with ``backend="numba"``): the read threads use it once it is ready.
+    """Have ``kernels`` compile what the flat reads run (in the background, or now with
+    ``backend="numba"``): the read threads use each kernel once it is ready. That is
+    :func:`slafload.flat_pages.read_ranges`' ``pread_runs`` and ``decode_chunks``, and for
+    opening a file from its footer (:meth:`slafload.flat_pages.FileFormat.open`),
+    ``walk_footer`` (:func:`slafload.footer.walk`) and ``chunk_tables``.
     """
     if not _HAS_PREAD:  # no libc pread here: the reads use os.preadv
         return
@@ -189,6 +216,10 @@ def prepare_reads(kernels: Kernels) -> None:
     kernels.prepare("pread_runs", z, z, z, z, b, np.zeros(1, np.int64))
     kernels.prepare("decode_chunks", b, np.zeros((0, 10), np.int64), z, z, z,
                     np.zeros(0, np.uint64), b, np.zeros(1, np.int64))  # fmt: skip
+    # Opening a file from its footer (slafload.flat_pages.FileFormat.open).
+    kernels.prepare("walk_footer", np.frombuffer(b"", np.uint8), 0, np.zeros(1, np.int64))
+    kernels.prepare("chunk_tables", 0, np.zeros((0, 6), np.int64), b, np.zeros(0, np.int32),
+                    np.zeros(1, np.int64))  # fmt: skip
 
 
 def _import_numba() -> Any:
@@ -551,6 +582,57 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
             c += 1
 
 
+def _chunk_tables(fd: int, pages: np.ndarray, words: np.ndarray, tables: np.ndarray,
+                  failed: np.ndarray) -> None:  # fmt: skip
+    """:func:`slafload.miniblock.load` of each page ``pages[p]`` = (where its chunk words
+    are in the file open as ``fd``, their bytes, its chunks' bytes, its rows, bytes per word,
+    where its tables go in ``tables``): its words read (``pread``) into ``words``, then its
+    chunks' offsets and first rows (each ``chunks + 1`` long, the total last) written to
+    ``tables`` from there. ``failed[0]`` is the first page whose words could not be read
+    whole or do not add up to its rows and bytes (the numpy code's checks), else -1.
+    """
+    failed[0] = -1
+    base = words.ctypes.data
+    for p in range(len(pages)):
+        words_at, words_size, data_size = pages[p, 0], pages[p, 1], pages[p, 2]
+        rows, width, out = pages[p, 3], pages[p, 4], pages[p, 5]
+        got = 0
+        while got < words_size:
+            n = _pread(np.int32(fd), base + got, words_size - got, words_at + got)
+            if n <= 0:
+                failed[0] = p
+                return
+            got += n
+        chunks = words_size // width
+        before, blocks, log = 0, 0, 0  # rows before the last chunk, 8-byte blocks
+        for c in range(chunks):
+            word = int(words[width * c]) | int(words[width * c + 1]) << 8
+            if width == 4:
+                word |= int(words[4 * c + 2]) << 16 | int(words[4 * c + 3]) << 24
+            log = word & 0xF
+            if c < chunks - 1:
+                if log == 0:  # only the last chunk may hold "the rest"
+                    failed[0] = p
+                    return
+                before += 1 << log
+            blocks += (word >> 4) + 1
+        last = rows - before
+        if chunks == 0 or last <= 0 or (log != 0 and 1 << log != last) or blocks * 8 != data_size:
+            failed[0] = p
+            return
+        at, first = 0, 0
+        tables[out] = 0
+        tables[out + chunks + 1] = 0
+        for c in range(chunks):
+            word = int(words[width * c]) | int(words[width * c + 1]) << 8
+            if width == 4:
+                word |= int(words[4 * c + 2]) << 16 | int(words[4 * c + 3]) << 24
+            at += ((word >> 4) + 1) * 8
+            first += (1 << (word & 0xF)) if c < chunks - 1 else last
+            tables[out + 1 + c] = at
+            tables[out + chunks + 2 + c] = first
+
+
 _KERNELS = {
     "copy_runs_1": _copy_runs_1,
     "copy_runs_2": _copy_runs_2,
@@ -558,4 +640,6 @@ _KERNELS = {
     "quantile_bins": _quantile_bins,
     "pread_runs": _pread_runs,
     "decode_chunks": _decode_chunks,
+    "chunk_tables": _chunk_tables,
+    "walk_footer": walk,  # written once for CPython and numba (slafload/footer.py)
 }

@@ -161,11 +161,15 @@ def load(fd: int, layout: Layout, buffers: list[tuple[int, int]], rows: int) -> 
     chunk_rows = np.empty(len(words) + 1, np.int64)
     chunk_rows[0] = 0
     np.add.accumulate(counts, out=chunk_rows[1:])
+    return mini_page(layout, rows, data_at, _compact(chunk_at), _compact(chunk_rows))
+
+
+def mini_page(layout: Layout, rows: int, data_at: int, chunk_at: np.ndarray,
+              chunk_rows: np.ndarray) -> MiniPage:  # fmt: skip
+    """The :class:`MiniPage` of a page laid out as ``layout``, given its chunk tables."""
     size_bytes = 4 if layout.large else 2
-    return MiniPage(
-        layout.kind, rows, data_at, _compact(chunk_at), _compact(chunk_rows),
-        -(-(2 + size_bytes * layout.n_buffers) // 8) * 8, size_bytes,
-    )  # fmt: skip
+    header = -(-(2 + size_bytes * layout.n_buffers) // 8) * 8
+    return MiniPage(layout.kind, rows, data_at, chunk_at, chunk_rows, header, size_bytes)
 
 
 def _compact(prefix: np.ndarray) -> np.ndarray:

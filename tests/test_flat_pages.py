@@ -21,6 +21,7 @@ from slafload import Loader, open_dataset
 from slafload.buffers import BytePool
 from slafload.data_files import DataFiles
 from slafload.flat_pages import FlatFile, FlatFiles, FlatRange, flat_bits, read_ranges
+from slafload.footer import PAGE
 from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
 from slafload.reader import COLUMNS
 from slafload.samplers import BlockShuffle
@@ -130,13 +131,10 @@ def test_a_file_whose_flat_read_disagrees_with_lance_is_left_to_lance(
 
     def shifted(kind, pages, num_rows):  # misreads where the values start
         column = real(kind, pages, num_rows)
-        return (
-            None
-            if column is None
-            else flat_pages._Column(
-                column.dtype, column.positions + column.dtype.itemsize, column.first_rows
-            )
-        )
+        if column is None:
+            return None
+        width = column.dtype.itemsize
+        return column._replace(positions=tuple(p + width for p in column.positions))
 
     monkeypatch.setattr(flat_pages, "_column", shifted)
     with caplog.at_level(logging.WARNING, logger="slafload.flat_pages"):
@@ -213,13 +211,21 @@ def test_a_footer_that_lists_other_pages_than_lance_teaches_no_format(tmp_path, 
     paths = [str(tmp_path / f"{i}.lance") for i in range(3)]
     for path in paths:
         write_file(path, 2_000, max_page_bytes=4 << 10)
-    real = flat_pages._page
+    real = flat_pages.read_footer
 
-    def shifted(message):  # misreads where a page starts
-        page = real(message)
-        return page._replace(positions=[p + 4 for p in page.positions])
+    def shifted(fd, run=None):  # misreads where each page starts
+        footer = real(fd, run)
+        rec = list(footer.rec)
+        for index in range(footer.n_columns):
+            _, n, k = footer.column(index)
+            for _ in range(n):  # a page's record: PAGE fields (buffers the 4th), positions, sizes
+                m = rec[k + 3]
+                k += PAGE
+                rec[k : k + m] = [p + 4 for p in rec[k : k + m]]
+                k += 2 * m
+        return footer._replace(rec=rec)
 
-    monkeypatch.setattr(flat_pages, "_page", shifted)
+    monkeypatch.setattr(flat_pages, "read_footer", shifted)
     files = FlatFiles()
     opened = [files.open(path, SCHEMA.names) for path in paths]
     assert files.format is None  # so every file is opened through Lance's metadata

@@ -1,0 +1,359 @@
+"""What a Lance 2.x data file's metadata says, walked from its last bytes.
+
+A Lance 2.x data file (lance-file's v2 writer) ends with a 40-byte footer: where the column
+metadata, the column metadata offset table and the global buffer offset table start, how many
+global buffers and columns, the format's ``(major, minor)``, then ``b"LANC"``. Global buffer 0
+is the ``FileDescriptor{schema=1, length=2}``; each column's metadata is a
+``ColumnMetadata{encoding=1, pages=2}``, each page a ``Page{buffer_offsets=1, buffer_sizes=2,
+length=3, encoding=4}`` (``file2.proto``). On the 5M-cell atlas that is ~1.1 KB per file,
+read by one ``pread`` of the file's last 16 KB.
+
+:func:`walk` is written once for two runtimes. CPython runs it over the ``bytes`` read; where
+numba is installed, :mod:`slafload.kernels` compiles it (``walk_footer``) and runs it over the
+same bytes as a ``uint8`` array, without the GIL: a block sampler on a large atlas opens
+thousands of data files in an epoch's first seconds, each from its footer
+(:meth:`slafload.flat_pages.FileFormat.open`), and walking it in Python was ~55 us of the
+~130 us an open held the GIL for. Either way the walk fills one ``int64`` record
+(:class:`Footer` reads it), every value checked against the bytes' bounds: a file this does
+not read gives :data:`BAD`, never an out-of-bounds read.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import numpy as np
+
+FOOTER_SIZE = 40  # <QQQIIHH4s
+TAIL = 16 << 10  # bytes read from a file's end to find its metadata (more only if it is larger)
+MAX_METADATA = 64 << 20  # more than this is not a file this reads (Lance's reader opens it)
+RECORD = 4096  # int64s in a walk's record: a file whose metadata needs more is walked in Python
+
+# rec[0] after a walk: the entries used (> 0), or one of these.
+BAD = 0  # not a Lance 2.x footer this reads
+MORE = -1  # the metadata starts before the bytes given: rec[1] is the file offset it starts at
+FULL = -2  # the record is too small for the metadata
+HEADER = 7
+"""rec[1:7]: major, minor, rows, where the schema message is in the bytes and its length,
+columns; then the index in rec of each column's record: the column's encoding (where, length),
+its pages, and each page's record (:data:`PAGE`). Positions and sizes are the file's; "where"
+indexes the bytes walked."""
+PAGE = 10
+"""Entries of a page's record before its buffers' positions, then sizes: rows, its encoding
+(where, length), buffers, then its layout key (:meth:`Footer.pages`): the type URL of its
+layout (where, length), its ``MiniBlockLayout`` message (where, length; where is -1 if the
+page has none, or not one ``num_items`` equal to its rows) and that ``num_items`` field
+(where it starts and ends)."""
+
+
+def walk(tail: Any, size: int, rec: Any) -> None:
+    """Walk the metadata of a Lance 2.x data file of ``size`` bytes whose last ``len(tail)``
+    bytes are ``tail`` into ``rec`` (ints: a list, or the kernel's ``int64`` array; see
+    :data:`HEADER`; ``rec[0]`` says how it went).
+
+    Every integer must be below 2**63 (a file's offsets, sizes and row counts are), every
+    varint at most 10 bytes, every field inside its message and every message inside the
+    file; a page must list as many buffer sizes as positions. Fields the record does not
+    hold are skipped; of a field given twice, the last counts (protobuf's rule).
+    """
+    n_tail = len(tail)
+    base = size - n_tail
+    rec[0] = BAD
+    if size < FOOTER_SIZE or n_tail < FOOTER_SIZE or base < 0:
+        return
+
+    def le(i: int, n: int) -> int:
+        """The unsigned little-endian int at ``tail[i:i + n]``; -1 if it is 2**63 or more."""
+        if n == 8 and tail[i + 7] >= 0x80:
+            return -1
+        value = 0
+        for k in range(n):
+            value |= int(tail[i + k]) << (8 * k)
+        return value
+
+    def varint(i: int, end: int) -> tuple[int, int]:  # (value, where it ends); -1: malformed
+        value, shift = 0, 0
+        while i < end:
+            byte = int(tail[i])
+            i += 1
+            if shift == 63 and byte != 0:
+                return 0, -1  # 2**63 or more, or longer than 10 bytes
+            value |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                return value, i
+            shift += 7
+        return 0, -1
+
+    def field(i: int, end: int) -> tuple[int, int, int, int]:
+        """(number, wire type, value, where it ends) of the field at ``i``: a bytes field's
+        value is its length (its bytes end where it ends); -1: malformed.
+        """
+        key, i = varint(i, end)
+        if i < 0:
+            return 0, 0, 0, -1
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = varint(i, end)
+            return number, 0, value, i
+        if wire == 2:
+            n, i = varint(i, end)
+            if i < 0 or n > end - i:
+                return 0, 0, 0, -1
+            return number, 2, n, i + n
+        if wire == 1 or wire == 5:
+            n = 8 if wire == 1 else 4
+            if n > end - i:
+                return 0, 0, 0, -1
+            value = le(i, n)
+            return number, wire, value, i + n if value >= 0 else -1
+        return 0, 0, 0, -1  # groups (3, 4) and wire types 6 and 7
+
+    def last(i: int, end: int, number: int) -> tuple[int, int]:
+        """(where, length) of the last field ``number`` of the message at ``tail[i:end]``;
+        -1 if it has none, the last is not a bytes field, or the message is malformed.
+        """
+        at, n = -1, 0
+        while i < end:
+            got, wire, value, nxt = field(i, end)
+            if nxt < 0:
+                return -1, 0
+            if got == number:
+                at, n = (nxt - value, value) if wire == 2 else (-1, 0)
+            i = nxt
+        return at, n
+
+    at = n_tail - FOOTER_SIZE
+    meta_at, cmo_at, gbo_at = le(at, 8), le(at + 8, 8), le(at + 16, 8)
+    n_global, n_columns = le(at + 24, 4), le(at + 28, 4)
+    if tail[at + 36] != 76 or tail[at + 37] != 65 or tail[at + 38] != 78 or tail[at + 39] != 67:
+        return  # not b"LANC"
+    if n_global < 1 or not 0 <= meta_at <= cmo_at <= gbo_at < size:
+        return
+    if gbo_at + 16 * n_global > size or cmo_at + 16 * n_columns > gbo_at:
+        return
+    if gbo_at < base:
+        rec[0], rec[1] = MORE, gbo_at
+        return
+    global_at, global_size = le(gbo_at - base, 8), le(gbo_at - base + 8, 8)
+    if global_at < 0 or global_size < 0:
+        return
+    first = min(meta_at, global_at)
+    if size - first > MAX_METADATA:
+        return
+    if first < base:
+        rec[0], rec[1] = MORE, first
+        return
+    if global_at + global_size > size:
+        return
+    # The FileDescriptor: the schema (bytes) and the rows (an int).
+    i, end = global_at - base, global_at - base + global_size
+    schema_at, schema_n, num_rows, bad = 0, -1, -1, False
+    while i < end:
+        number, wire, value, nxt = field(i, end)
+        if nxt < 0:
+            return
+        if number == 1:
+            schema_at, schema_n, bad = nxt - value, value, wire != 2
+        elif number == 2:
+            num_rows = value if wire != 2 else -1
+        i = nxt
+    if bad or schema_n < 0 or num_rows < 0:
+        return
+    if HEADER + n_columns > len(rec):
+        rec[0] = FULL
+        return
+    rec[1], rec[2], rec[3] = le(at + 32, 2), le(at + 34, 2), num_rows
+    rec[4], rec[5], rec[6] = schema_at, schema_n, n_columns
+    k = HEADER + n_columns  # the next free entry
+    for c in range(n_columns):
+        col_at, col_n = le(cmo_at - base + 16 * c, 8), le(cmo_at - base + 16 * c + 8, 8)
+        if col_at < base or col_n < 0 or col_at + col_n > size:
+            return
+        if k + 3 > len(rec):
+            rec[0] = FULL
+            return
+        rec[HEADER + c] = k
+        column = k
+        rec[column], rec[column + 1], rec[column + 2] = 0, 0, 0  # no encoding, no pages
+        k += 3
+        i, end = col_at - base, col_at - base + col_n
+        while i < end:
+            number, wire, value, nxt = field(i, end)
+            if nxt < 0:
+                return
+            if number == 1 and wire == 2:
+                rec[column], rec[column + 1] = nxt - value, value
+            elif number == 2 and wire == 2:  # a page: one pass for the positions, one for sizes
+                page = k
+                if k + PAGE > len(rec):
+                    rec[0] = FULL
+                    return
+                rec[page], rec[page + 1], rec[page + 2] = 0, 0, 0
+                k += PAGE
+                for sizes in range(2):
+                    j, stop, count = nxt - value, nxt, 0
+                    while j < stop:
+                        number2, wire2, value2, nxt2 = field(j, stop)
+                        if nxt2 < 0:
+                            return
+                        if number2 == 1 + sizes:
+                            # packed: varints; else the one value
+                            a, b = (nxt2 - value2, nxt2) if wire2 == 2 else (j, nxt2)
+                            while a < b:
+                                v = value2
+                                if wire2 == 2:
+                                    v, a = varint(a, b)
+                                    if a < 0:
+                                        return
+                                else:
+                                    a = b
+                                if k >= len(rec):
+                                    rec[0] = FULL
+                                    return
+                                rec[k] = v
+                                k += 1
+                                count += 1
+                        elif sizes == 0 and number2 == 3 and wire2 != 2:
+                            rec[page] = value2
+                        elif sizes == 0 and number2 == 4 and wire2 == 2:
+                            rec[page + 1], rec[page + 2] = nxt2 - value2, value2
+                        j = nxt2
+                    if sizes == 0:
+                        rec[page + 3] = count
+                    elif count != rec[page + 3]:
+                        return  # as many sizes as positions
+                # The page's layout key (see PAGE): Encoding.direct (2) is a DirectEncoding
+                # whose encoding (1) is an Any{type_url=1, value=2}; the value a PageLayout
+                # of one field, 1: a MiniBlockLayout, whose num_items (9) must be the rows.
+                rec[page + 6] = -1
+                a, n = last(rec[page + 1], rec[page + 1] + rec[page + 2], 2)
+                if a >= 0:
+                    a, n = last(a, a + n, 1)
+                url_at, url_n = (-1, 0) if a < 0 else last(a, a + n, 1)
+                if url_at >= 0:
+                    a, n = last(a, a + n, 2)
+                    number, wire, value, nxt = (0, 0, 0, -1) if a < 0 else field(a, a + n)
+                    if nxt == a + n and number == 1 and wire == 2:
+                        lay_at, stop = nxt - value, nxt  # the MiniBlockLayout
+                        j, items, items_at, items_end = lay_at, 0, -1, -1
+                        while j < stop:
+                            number, wire, value, nxt = field(j, stop)
+                            if nxt < 0:
+                                items = 2
+                                break
+                            if number == 9:
+                                items += 1
+                                if wire != 2 and value == rec[page]:
+                                    items_at, items_end = j, nxt
+                            j = nxt
+                        if items == 1 and items_at >= 0:
+                            rec[page + 4], rec[page + 5] = url_at, url_n
+                            rec[page + 6], rec[page + 7] = lay_at, stop - lay_at
+                            rec[page + 8], rec[page + 9] = items_at, items_end
+                rec[column + 2] += 1
+            i = nxt
+    rec[0] = k
+
+
+class Page(NamedTuple):
+    """One page as a data file's metadata lists it."""
+
+    positions: list[int]  # file offset of each of the page's buffers
+    sizes: list[int]  # and its bytes
+    rows: int
+    encoding: bytes  # the page's ``Encoding`` message, as written
+    key: tuple[bytes, bytes] | None  # its layout key (Footer.pages)
+
+
+class Footer(NamedTuple):
+    """A walked footer: :func:`walk`'s record (as Python ints) and the bytes it indexes."""
+
+    rec: list[int]
+    tail: bytes
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """The format's ``(major, minor)`` as the footer has it: ``(0, 3)`` for 2.0."""
+        return self.rec[1], self.rec[2]
+
+    @property
+    def num_rows(self) -> int:
+        """The file's rows."""
+        return self.rec[3]
+
+    @property
+    def schema(self) -> bytes:
+        """The ``FileDescriptor.schema`` message, as written."""
+        return self.tail[self.rec[4] : self.rec[4] + self.rec[5]]
+
+    @property
+    def n_columns(self) -> int:
+        """The file's columns."""
+        return self.rec[6]
+
+    def column(self, index: int) -> tuple[bytes, int, int]:
+        """Column ``index``'s encoding as written, its pages, and where in :attr:`rec` its
+        first page's record is (:meth:`pages` walks them).
+        """
+        k = self.rec[HEADER + index]
+        at, n, pages = self.rec[k : k + 3]
+        return self.tail[at : at + n], pages, k + 3
+
+    def columns(self) -> list[tuple[bytes, list[Page]]]:
+        """Every column's encoding and pages."""
+        out = []
+        for index in range(self.n_columns):
+            encoding, n, k = self.column(index)
+            out.append((encoding, self.pages(k, n)))
+        return out
+
+    def pages(self, k: int, n: int) -> list[Page]:
+        """The ``n`` pages whose records start at ``rec[k]``.
+
+        A mini-block page's ``key`` is its layout's type URL and its ``MiniBlockLayout``
+        message as written but for ``num_items`` (which is its rows): what pages laid out
+        alike share, whatever their rows. ``None`` for any other page.
+        """
+        rec, tail, out = self.rec, self.tail, []
+        for _ in range(n):
+            rows, at, size, m, url_at, url_n, lay_at, lay_n, cut, end = rec[k : k + PAGE]
+            key = None
+            if lay_at >= 0:
+                key = (tail[url_at : url_at + url_n], tail[lay_at:cut] + tail[end : lay_at + lay_n])
+            k += PAGE
+            out.append(
+                Page(rec[k : k + m], rec[k + m : k + 2 * m], rows, tail[at : at + size], key)
+            )
+            k += 2 * m
+        return out
+
+
+def read_footer(fd: int, run: Any = None) -> Footer:
+    """The walked footer of the Lance 2.x data file open as ``fd``: one ``pread`` of its last
+    :data:`TAIL` bytes (a second where its metadata starts before them), walked by
+    ``run("walk_footer", ...)`` where that runs it (:meth:`slafload.kernels.Kernels.run`),
+    else by :func:`walk` in Python. Raises ``ValueError`` if it is not one this reads.
+    """
+    size = os.fstat(fd).st_size
+    base = max(0, size - TAIL)
+    while True:
+        tail = os.pread(fd, size - base, base)
+        if len(tail) != size - base:
+            raise ValueError("file changed while its footer was read")
+        rec: Any = np.empty(RECORD, np.int64)
+        if run is not None and run("walk_footer", np.frombuffer(tail, np.uint8), size, rec,
+                                   start=False):  # fmt: skip
+            rec = rec[: max(2, rec[0])].tolist()
+        else:  # a list: Python sets its items faster than an array's
+            rec = [0] * RECORD
+            walk(tail, size, rec)
+        if rec[0] == MORE and base > rec[1]:
+            base = rec[1]
+            continue
+        if rec[0] == FULL:  # each entry takes a byte of metadata or more
+            rec = [0] * (2 * len(tail) + HEADER + PAGE)
+            walk(tail, size, rec)
+        if rec[0] <= 0:
+            raise ValueError("not a Lance 2.x footer this reads")
+        return Footer(rec[: rec[0]], tail)

@@ -1,0 +1,247 @@
+"""Lance data file footers walked in Python and compiled alike, and files opened from them."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from lance.file import LanceFileReader
+from test_miniblock import atlas_like, shapes, write
+
+import slafload.flat_pages as flat_pages
+from slafload import footer
+from slafload.flat_pages import FlatFiles, FlatRange, read_ranges
+from slafload.footer import BAD, FULL, MORE, read_footer, walk
+from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
+
+needs_numba = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+
+
+@pytest.fixture(scope="module")
+def numba_kernels():
+    if not numba_available():
+        pytest.skip("numba is not installed")
+    k = Kernels("numba")
+    prepare_reads(k)
+    yield k
+    k.close()
+
+
+def files(tmp_path, rng) -> list[str]:
+    """Data files of every format and page layout the flat reads know, and a 2.0 file."""
+    out = []
+    for version in ["2.0", "2.1", "2.2"]:
+        for name, (columns, options) in shapes(rng, "2.1" if version == "2.0" else version).items():
+            path = str(tmp_path / f"{name}_{version}.lance")
+            write(path, columns, version, **options)
+            out.append(path)
+    return out
+
+
+def tail_of(path: str, n: int = footer.TAIL) -> tuple[bytes, int]:
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(0, size - n))
+        return f.read(), size
+
+
+def compiled_walk(kernels: Kernels, tail: bytes, size: int, n: int = footer.RECORD) -> list[int]:
+    rec = np.full(n, 123_456, np.int64)
+    assert kernels.run("walk_footer", np.frombuffer(tail, np.uint8), size, rec, start=False)
+    return rec.tolist()
+
+
+def python_walk(tail: bytes, size: int, n: int = footer.RECORD) -> list[int]:
+    rec = [123_456] * n
+    walk(tail, size, rec)
+    return rec
+
+
+def used(rec: list[int]) -> list[int]:
+    return rec[: rec[0]] if rec[0] > 0 else rec[:1] + (rec[1:2] if rec[0] == MORE else [])
+
+
+def test_footers_list_the_pages_lance_lists(tmp_path):
+    rng = np.random.default_rng(3)
+    for path in files(tmp_path, rng):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            found = read_footer(fd)
+        finally:
+            os.close(fd)
+        meta = LanceFileReader(path).metadata()
+        assert found.num_rows == meta.num_rows and found.n_columns == len(meta.columns)
+        for (_, pages), theirs in zip(found.columns(), meta.columns, strict=True):
+            assert [list(zip(p.positions, p.sizes, strict=True)) for p in pages] == [
+                [(b.position, b.size) for b in page.buffers] for page in theirs.pages
+            ], path
+            assert sum(p.rows for p in pages) == meta.num_rows
+
+
+def test_python_and_compiled_walks_agree_on_real_files(tmp_path, numba_kernels):
+    rng = np.random.default_rng(4)
+    paths = files(tmp_path, rng)
+    big = str(tmp_path / "many_pages.lance")  # metadata larger than a short tail
+    write(big, atlas_like(100_000, rng), "2.2", max_page_bytes=2 << 10)
+    for path in [*paths, big]:
+        for n in [footer.TAIL, 200, 40]:
+            tail, size = tail_of(path, n)
+            want = python_walk(tail, size)
+            assert used(compiled_walk(numba_kernels, tail, size)) == used(want), (path, n)
+            assert want[0] > 0 or (want[0] == MORE and n < footer.TAIL), (path, n)
+        # A record too small for the metadata says so, in both
+        tail, size = tail_of(path)
+        assert python_walk(tail, size, 12)[0] in (FULL, python_walk(tail, size)[0])
+        assert compiled_walk(numba_kernels, tail, size, 12)[0] == python_walk(tail, size, 12)[0]
+    fd = os.open(big, os.O_RDONLY)
+    try:  # a second read where the metadata starts before the first; both walk it whole
+        assert read_footer(fd, numba_kernels.run) == read_footer(fd)
+        assert len(read_footer(fd).tail) > 200
+    finally:
+        os.close(fd)
+
+
+def test_damaged_footers_are_rejected_alike_and_never_read_out_of_bounds(tmp_path, numba_kernels):
+    """(In Python, a read past the bytes would raise IndexError; the walk is the same code.)"""
+    rng = np.random.default_rng(5)
+    path = str(tmp_path / "a.lance")
+    write(path, atlas_like(20_000, rng), "2.2", max_page_bytes=16 << 10)
+    tail, size = tail_of(path)
+    meta_at = int.from_bytes(tail[-40:-32], "little")
+    metadata = size - meta_at  # the column metadata, offset tables, descriptor and footer
+    outcomes = set()
+    for trial in range(1_500):
+        data = bytearray(tail)
+        for _ in range(1 + trial % 3):
+            at = len(data) - 1 - int(rng.integers(0, metadata))
+            data[at] = int(rng.integers(0, 256)) if trial % 2 else data[at] ^ (1 << (trial % 8))
+        cut = bytes(data[int(rng.integers(0, 60)) :]) if trial % 7 == 0 else bytes(data)
+        grown = size + (len(cut) - len(tail))
+        want = python_walk(cut, grown)
+        assert used(compiled_walk(numba_kernels, cut, grown)) == used(want), trial
+        outcomes.add(want[0] if want[0] <= 0 else "ok")
+    assert {BAD, "ok"} <= outcomes  # damage that still walks, and damage that does not
+    for short in [b"", b"LANC", tail[-39:]]:
+        assert python_walk(short, len(short))[0] == BAD
+        assert compiled_walk(numba_kernels, short, len(short))[0] == BAD
+
+
+def test_layout_keys_are_the_same_for_pages_laid_out_alike_whatever_their_rows(tmp_path):
+    rng = np.random.default_rng(6)
+    keys = {}
+    for n in [3_000, 50_001]:
+        path = str(tmp_path / f"{n}.lance")
+        write(path, atlas_like(n, rng), "2.2")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            keys[n] = [[(p.key, p.encoding, p.rows) for p in pages]
+                       for _, pages in read_footer(fd).columns()]  # fmt: skip
+        finally:
+            os.close(fd)
+    for small, large in zip(keys[3_000], keys[50_001], strict=True):
+        (key_s, enc_s, rows_s), (key_l, enc_l, rows_l) = small[0], large[0]
+        assert rows_s != rows_l and enc_s != enc_l  # num_items differs, and so the bytes
+        assert key_s == key_l and key_s is not None
+        assert key_s[0] == b"/lance.encodings21.PageLayout"
+    path = str(tmp_path / "v20.lance")
+    write(path, atlas_like(3_000, rng), "2.0")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert all(p.key is None for _, pages in read_footer(fd).columns() for p in pages)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("version", ["2.1", "2.2"])
+def test_chunk_tables_compiled_and_in_numpy_are_the_same(tmp_path, version, numba_kernels):
+    rng = np.random.default_rng(7)
+    opened = 0
+    for name, (columns, options) in shapes(rng, version).items():
+        path = str(tmp_path / f"{name}.lance")
+        write(path, columns, version, **options)
+        files_ = FlatFiles(kernels=numba_kernels)
+        first = files_.open(path, list(columns))  # through Lance's metadata: the reference
+        form = files_.format
+        assert first is not None and form is not None, name
+        again = {kernels: form.open(path, list(columns), kernels)
+                 for kernels in [numba_kernels, NUMPY]}  # fmt: skip
+        assert (again[NUMPY] is None) == (again[numba_kernels] is None), name
+        opened += again[NUMPY] is not None
+        for flat in again.values():
+            if flat is None:  # a constant page: its layout is not learned
+                continue
+            for ours, theirs in zip(flat._columns, first._columns, strict=True):
+                assert ours.rows == theirs.rows and len(ours.mini) == len(theirs.mini)
+                for a, b in zip(ours.mini, theirs.mini, strict=True):
+                    assert a.kind == b.kind and a.data_at == b.data_at and a.header == b.header
+                    for x, y in [(a.chunk_at, b.chunk_at), (a.chunk_rows, b.chunk_rows)]:
+                        assert (x is None) == (y is None), name
+                        if x is not None:
+                            assert x.dtype == y.dtype and np.array_equal(x, y), name
+            (got,) = read_ranges([FlatRange(flat, 0, flat.num_rows)], numba_kernels)
+            assert got.equals(LanceFileReader(path).read_all().to_table()), name
+            flat.close()
+        first.close()
+    assert opened >= len(shapes(rng, version)) - 2  # 2.2 writes constant pages of two
+
+
+def test_chunk_words_that_do_not_add_up_fail_alike(tmp_path, numba_kernels):
+    rng = np.random.default_rng(8)
+    path = str(tmp_path / "a.lance")
+    write(path, atlas_like(40_000, rng), "2.2")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pages = read_footer(fd).columns()[2][1]  # values: mini-block pages
+    finally:
+        os.close(fd)
+    files_ = FlatFiles(kernels=numba_kernels)
+    assert files_.open(path, ["cell", "gene", "value"]) is not None
+    page = pages[0]
+    wanted = [
+        (
+            files_.format.layouts[2][page.key],
+            list(zip(page.positions, page.sizes, strict=True)),
+            page.rows,
+        )
+    ]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for kernels in [numba_kernels, NUMPY]:
+            assert flat_pages._load_pages(fd, wanted, kernels) is not None
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:
+        data = f.read()
+    (words_at, _), (words_size, _) = page.positions, page.sizes
+    damages = {
+        "count": lambda w: w[:-4] + bytes([w[-4] | 0xF]) + w[-3:],  # the last chunk's log2
+        "zero log": lambda w: bytes([w[0] & 0xF0]) + w[1:],  # a first chunk of "the rest"
+        "size": lambda w: bytes([w[0] ^ 0x10]) + w[1:],  # a chunk 8 bytes more or less
+    }
+    for name, damage in damages.items():
+        broken = tmp_path / f"{name}.lance"
+        words = data[words_at : words_at + words_size]
+        broken.write_bytes(data[:words_at] + damage(words) + data[words_at + words_size :])
+        fd = os.open(broken, os.O_RDONLY)
+        try:
+            for kernels in [numba_kernels, NUMPY]:
+                assert flat_pages._load_pages(fd, wanted, kernels) is None, (name, kernels)
+        finally:
+            os.close(fd)
+
+
+@needs_numba
+def test_kernels_called_with_other_argument_types_run_the_kernel_for_those():
+    kernels = Kernels("numba")
+    try:
+        for dtype, pad in [(np.int64, 7), (np.float32, 1.5), (np.int64, -2), (np.uint8, 3)]:
+            flat = np.zeros(10, dtype)
+            start, stop = np.array([1, 6]), np.array([3, 9])
+            assert kernels.run("fill_runs", flat, start, stop, pad)
+            want = np.zeros(10, dtype)
+            want[1:3] = want[6:9] = pad
+            assert np.array_equal(flat, want) and flat.dtype == dtype
+        assert not kernels.run("fill_runs", np.zeros(4, np.float16), start, stop, 1.0)
+    finally:
+        kernels.close()
