@@ -370,9 +370,9 @@ class FileFormat:
         row count), each 2.0 page one buffer of its rows' values, each mini-block page's
         chunks adding up to its rows and bytes, and the pages to the file's rows.
 
-        The footer is walked and the chunk tables built by ``kernels`` where it has them
-        compiled (``walk_footer``, ``chunk_tables``), else in Python; the file opens the same
-        either way.
+        The footer is read and walked and the chunk tables built by one call of ``kernels``'
+        ``walk_footer`` where it is compiled, else in Python; the file opens the same either
+        way.
         """
         try:
             fd = _open_fd(path)
@@ -380,7 +380,8 @@ class FileFormat:
             logger.debug("cannot open %s: %r", path, exc)
             return None
         try:
-            picked = self._columns(fd, read_footer(fd, kernels.run), columns, kernels)
+            run = kernels.run if kernels.backend == "numba" else None
+            picked = self._columns(fd, read_footer(fd, run), columns)
         except Exception as exc:  # anything unexpected: opened as the first file was
             logger.debug("no flat footer for %s: %r", path, exc)
             picked = None
@@ -399,9 +400,7 @@ class FileFormat:
                 self._schemas[key] = schema
         return schema
 
-    def _columns(
-        self, fd: int, footer: Footer, columns: Sequence[str], kernels: Kernels = NUMPY
-    ) -> list[_Column] | None:
+    def _columns(self, fd: int, footer: Footer, columns: Sequence[str]) -> list[_Column] | None:
         if footer.version != self.version or footer.schema != self.written_schema:
             return None
         if footer.n_columns != len(self.column_encodings):
@@ -421,24 +420,26 @@ class FileFormat:
             if first[-1] != footer.num_rows:
                 return None
             if self.layouts:
-                for positions, sizes, rows, _, key in pages:
-                    found = self.layouts[index].get(key) if key is not None else None
+                for page in pages:
+                    found = self.layouts[index].get(page.key) if page.key is not None else None
                     if found is None:
                         return None
-                    wanted.append((found, list(zip(positions, sizes, strict=True)), rows))
+                    built = page.tables_at if found.large == page.large else -1
+                    wanted.append((found, list(zip(page.positions, page.sizes, strict=True)),
+                                   page.rows, built))  # fmt: skip
                 mini_columns.append((dtype, first))
                 continue
             if not all(
                 page_encoding in self.page_encodings[index]
                 and len(positions) == 1
                 and sizes == [rows * dtype.itemsize]
-                for positions, sizes, rows, page_encoding, _ in pages
+                for positions, sizes, rows, page_encoding, *_ in pages
             ):
                 return None
             picked.append(_Column(dtype, first, tuple(page.positions[0] for page in pages)))
         if not self.layouts:
             return picked
-        mini = _load_pages(fd, wanted, kernels)
+        mini = _load_pages(fd, wanted, footer.tables)
         if mini is None:
             return None
         done = 0
@@ -450,44 +451,28 @@ class FileFormat:
 
 
 def _load_pages(
-    fd: int, pages: list[tuple[miniblock.Layout, list[tuple[int, int]], int]], kernels: Kernels
-) -> list[miniblock.MiniPage] | None:
-    """:func:`miniblock.load` of each ``(layout, buffers, rows)`` of the file open as ``fd``
-    (``None`` if any is not what its layout says): all by one call of the ``chunk_tables``
-    kernel where ``kernels`` has it compiled (the GIL released for every page's ``pread``
-    and tables; the tables are ``int32`` slices of one array, as :func:`miniblock.load`
-    compacts them), else one by one.
+    fd: int, pages: list[tuple[miniblock.Layout, list[tuple[int, int]], int, int]],
+    tables: np.ndarray,
+) -> list[miniblock.MiniPage] | None:  # fmt: skip
+    """The :class:`miniblock.MiniPage` of each ``(layout, buffers, rows, tables_at)`` of the
+    file open as ``fd`` (``None`` if any is not what its layout says): its chunk tables
+    sliced from ``tables`` where the compiled footer walk built them (``tables_at`` >= 0;
+    -2: they did not add up), else read and built by :func:`miniblock.load`.
     """
-    jobs: list[int] = []
-    at = longest = 0
-    for layout, buffers, rows in pages:
-        width = 4 if layout.large else 2
-        if len(buffers) != 2 or buffers[0][1] == 0 or buffers[0][1] % width:
-            return None  # as miniblock.load
-        (words_at, words_size), (_, data_size) = buffers
-        if max(data_size, rows) >= 2**31:  # int64 tables: miniblock.load builds them
-            jobs = []
-            break
-        jobs += (words_at, words_size, data_size, rows, width, at)
-        at += 2 * (words_size // width + 1)
-        longest = max(longest, words_size)
-    if jobs:
-        table = np.asarray(jobs, np.int64).reshape(-1, 6)
-        tables = np.empty(at, np.int32)
-        failed = np.full(1, -1, np.int64)
-        if kernels.run("chunk_tables", fd, table, np.empty(longest, np.uint8), tables, failed,
-                       start=False):  # fmt: skip
-            if failed[0] >= 0:
+    out = []
+    for layout, buffers, rows, at in pages:
+        if at == -2:
+            return None
+        if at < 0:
+            page = miniblock.load(fd, layout, buffers, rows)
+            if page is None:
                 return None
-            out = []
-            for (layout, buffers, rows), job in zip(pages, table.tolist(), strict=True):
-                start, n = job[5], job[1] // job[4] + 1  # a page's tables: chunks + 1 each
-                out.append(miniblock.mini_page(layout, rows, buffers[1][0],
-                                               tables[start : start + n],
-                                               tables[start + n : start + 2 * n]))  # fmt: skip
-            return out
-    loaded = [miniblock.load(fd, layout, buffers, rows) for layout, buffers, rows in pages]
-    return None if any(page is None for page in loaded) else loaded  # type: ignore[return-value]
+        else:
+            n = buffers[0][1] // (4 if layout.large else 2) + 1  # chunks + 1 each
+            page = miniblock.mini_page(layout, rows, buffers[1][0], tables[at : at + n],
+                                       tables[at + n : at + 2 * n])  # fmt: skip
+        out.append(page)
+    return out
 
 
 class FlatFiles:

@@ -29,25 +29,36 @@ FOOTER_SIZE = 40  # <QQQIIHH4s
 TAIL = 16 << 10  # bytes read from a file's end to find its metadata (more only if it is larger)
 MAX_METADATA = 64 << 20  # more than this is not a file this reads (Lance's reader opens it)
 RECORD = 4096  # int64s in a walk's record: a file whose metadata needs more is walked in Python
+WORDS = 16 << 10  # compiled: the most bytes of chunk words of a page whose tables it builds
+TABLES = 1 << 14  # compiled: int32s of chunk tables it builds per file (the rest: in numpy)
 
 # rec[0] after a walk: the entries used (> 0), or one of these.
 BAD = 0  # not a Lance 2.x footer this reads
 MORE = -1  # the metadata starts before the bytes given: rec[1] is the file offset it starts at
 FULL = -2  # the record is too small for the metadata
-HEADER = 7
-"""rec[1:7]: major, minor, rows, where the schema message is in the bytes and its length,
-columns; then the index in rec of each column's record: the column's encoding (where, length),
-its pages, and each page's record (:data:`PAGE`). Positions and sizes are the file's; "where"
-indexes the bytes walked."""
-PAGE = 10
+HEADER = 9
+"""rec[1:9]: major, minor, rows, where the schema message is in the bytes and its length,
+columns, the chunk table entries built (compiled), the bytes walked; then the index in rec of
+each column's record: the column's encoding (where, length), its pages, and each page's
+record (:data:`PAGE`). Positions and sizes are the file's; "where" indexes the bytes walked."""
+PAGE = 12
 """Entries of a page's record before its buffers' positions, then sizes: rows, its encoding
 (where, length), buffers, then its layout key (:meth:`Footer.pages`): the type URL of its
 layout (where, length), its ``MiniBlockLayout`` message (where, length; where is -1 if the
 page has none, or not one ``num_items`` equal to its rows) and that ``num_items`` field
-(where it starts and ends)."""
+(where it starts and ends); then its ``has_large_chunk`` (field 10: ``u32`` chunk words), and
+where its chunk tables start in the tables the compiled walk built (-1: not built, -2: its
+chunk words do not add up to its rows and bytes)."""
+
+# libc's lseek and pread, as numba calls them: set by slafload.kernels when it imports numba
+# (the compiled walk reads the file itself; the Python walk is given its bytes).
+_lseek: Any = None
+_pread: Any = None
 
 
-def walk(tail: Any, size: int, rec: Any) -> None:
+def walk(
+    tail: Any, size: int, rec: Any, fd: int = -1, words: Any = None, tables: Any = None
+) -> None:
     """Walk the metadata of a Lance 2.x data file of ``size`` bytes whose last ``len(tail)``
     bytes are ``tail`` into ``rec`` (ints: a list, or the kernel's ``int64`` array; see
     :data:`HEADER`; ``rec[0]`` says how it went).
@@ -56,26 +67,44 @@ def walk(tail: Any, size: int, rec: Any) -> None:
     varint at most 10 bytes, every field inside its message and every message inside the
     file; a page must list as many buffer sizes as positions. Fields the record does not
     hold are skipped; of a field given twice, the last counts (protobuf's rule).
+
+    Compiled, it is given the file open as ``fd`` instead (and ``size`` -1): it reads the
+    file's size and last bytes into ``tail`` itself, then, for each mini-block page, its
+    chunk words into ``words`` and its chunk tables (:func:`slafload.miniblock.load`'s,
+    ``chunks + 1`` offsets then ``chunks + 1`` first rows) into ``tables``: one call, the GIL
+    released throughout, where Python would take it back after every read.
     """
-    n_tail = len(tail)
-    base = size - n_tail
     rec[0] = BAD
+    data = tail
+    if fd >= 0:  # compiled: read the bytes here
+        size = _lseek(np.int32(fd), 0, 2)
+        n = min(size, len(tail))
+        got = 0
+        while got < n:
+            r = _pread(np.int32(fd), tail.ctypes.data + got, n - got, size - n + got)
+            if r <= 0:
+                return
+            got += r
+        data = tail[: max(n, 0)]
+    n_tail = len(data)
+    base = size - n_tail
+    rec[8] = n_tail
     if size < FOOTER_SIZE or n_tail < FOOTER_SIZE or base < 0:
         return
 
     def le(i: int, n: int) -> int:
-        """The unsigned little-endian int at ``tail[i:i + n]``; -1 if it is 2**63 or more."""
-        if n == 8 and tail[i + 7] >= 0x80:
+        """The unsigned little-endian int at ``data[i:i + n]``; -1 if it is 2**63 or more."""
+        if n == 8 and data[i + 7] >= 0x80:
             return -1
         value = 0
         for k in range(n):
-            value |= int(tail[i + k]) << (8 * k)
+            value |= int(data[i + k]) << (8 * k)
         return value
 
     def varint(i: int, end: int) -> tuple[int, int]:  # (value, where it ends); -1: malformed
         value, shift = 0, 0
         while i < end:
-            byte = int(tail[i])
+            byte = int(data[i])
             i += 1
             if shift == 63 and byte != 0:
                 return 0, -1  # 2**63 or more, or longer than 10 bytes
@@ -110,7 +139,7 @@ def walk(tail: Any, size: int, rec: Any) -> None:
         return 0, 0, 0, -1  # groups (3, 4) and wire types 6 and 7
 
     def last(i: int, end: int, number: int) -> tuple[int, int]:
-        """(where, length) of the last field ``number`` of the message at ``tail[i:end]``;
+        """(where, length) of the last field ``number`` of the message at ``data[i:end]``;
         -1 if it has none, the last is not a bytes field, or the message is malformed.
         """
         at, n = -1, 0
@@ -123,10 +152,48 @@ def walk(tail: Any, size: int, rec: Any) -> None:
             i = nxt
         return at, n
 
+    def tables_of(at: int, size: int, data_size: int, rows: int, width: int, out: int) -> bool:
+        """Read a page's ``size`` bytes of chunk words at ``at`` and write its tables to
+        ``tables[out:]``; whether they were read and add up to its rows and bytes.
+        """
+        got = 0
+        while got < size:
+            r = _pread(np.int32(fd), words.ctypes.data + got, size - got, at + got)
+            if r <= 0:
+                return False
+            got += r
+        chunks = size // width
+        before, blocks, log = 0, 0, 0  # rows before the last chunk, its 8-byte blocks
+        for c in range(chunks):
+            word = int(words[width * c]) | int(words[width * c + 1]) << 8
+            if width == 4:
+                word |= int(words[4 * c + 2]) << 16 | int(words[4 * c + 3]) << 24
+            log = word & 0xF
+            if c < chunks - 1:
+                if log == 0:  # only the last chunk may hold "the rest"
+                    return False
+                before += 1 << log
+            blocks += (word >> 4) + 1
+        last_rows = rows - before
+        if last_rows <= 0 or (log != 0 and 1 << log != last_rows) or blocks * 8 != data_size:
+            return False
+        offset, first = 0, 0
+        tables[out] = 0
+        tables[out + chunks + 1] = 0
+        for c in range(chunks):
+            word = int(words[width * c]) | int(words[width * c + 1]) << 8
+            if width == 4:
+                word |= int(words[4 * c + 2]) << 16 | int(words[4 * c + 3]) << 24
+            offset += ((word >> 4) + 1) * 8
+            first += (1 << (word & 0xF)) if c < chunks - 1 else last_rows
+            tables[out + 1 + c] = offset
+            tables[out + chunks + 2 + c] = first
+        return True
+
     at = n_tail - FOOTER_SIZE
     meta_at, cmo_at, gbo_at = le(at, 8), le(at + 8, 8), le(at + 16, 8)
     n_global, n_columns = le(at + 24, 4), le(at + 28, 4)
-    if tail[at + 36] != 76 or tail[at + 37] != 65 or tail[at + 38] != 78 or tail[at + 39] != 67:
+    if data[at + 36] != 76 or data[at + 37] != 65 or data[at + 38] != 78 or data[at + 39] != 67:
         return  # not b"LANC"
     if n_global < 1 or not 0 <= meta_at <= cmo_at <= gbo_at < size:
         return
@@ -226,7 +293,9 @@ def walk(tail: Any, size: int, rec: Any) -> None:
                 # The page's layout key (see PAGE): Encoding.direct (2) is a DirectEncoding
                 # whose encoding (1) is an Any{type_url=1, value=2}; the value a PageLayout
                 # of one field, 1: a MiniBlockLayout, whose num_items (9) must be the rows.
-                rec[page + 6] = -1
+                for f in range(4, PAGE):
+                    rec[page + f] = 0
+                rec[page + 6], rec[page + 11] = -1, -1
                 a, n = last(rec[page + 1], rec[page + 1] + rec[page + 2], 2)
                 if a >= 0:
                     a, n = last(a, a + n, 1)
@@ -236,7 +305,7 @@ def walk(tail: Any, size: int, rec: Any) -> None:
                     number, wire, value, nxt = (0, 0, 0, -1) if a < 0 else field(a, a + n)
                     if nxt == a + n and number == 1 and wire == 2:
                         lay_at, stop = nxt - value, nxt  # the MiniBlockLayout
-                        j, items, items_at, items_end = lay_at, 0, -1, -1
+                        j, items, items_at, items_end, large = lay_at, 0, -1, -1, 0
                         while j < stop:
                             number, wire, value, nxt = field(j, stop)
                             if nxt < 0:
@@ -246,14 +315,40 @@ def walk(tail: Any, size: int, rec: Any) -> None:
                                 items += 1
                                 if wire != 2 and value == rec[page]:
                                     items_at, items_end = j, nxt
+                            elif number == 10:
+                                large = value if wire != 2 else 0
                             j = nxt
                         if items == 1 and items_at >= 0:
                             rec[page + 4], rec[page + 5] = url_at, url_n
                             rec[page + 6], rec[page + 7] = lay_at, stop - lay_at
                             rec[page + 8], rec[page + 9] = items_at, items_end
+                            rec[page + 10] = large
                 rec[column + 2] += 1
             i = nxt
     rec[0] = k
+    rec[7] = 0
+    if fd < 0:
+        return
+    # Compiled: each mini-block page's chunk tables (what miniblock.load checks and builds).
+    for c in range(n_columns):
+        page = rec[HEADER + c] + 3
+        for _ in range(rec[rec[HEADER + c] + 2]):
+            m = page + PAGE  # its buffers: words, then data
+            if rec[page + 6] >= 0 and rec[page + 3] == 2:
+                rows, words_at, words_size, data_size = rec[page], rec[m], rec[m + 2], rec[m + 3]
+                width = 4 if rec[page + 10] else 2
+                chunks = words_size // width
+                used = rec[7]
+                if (
+                    0 < words_size <= len(words)
+                    and words_size % width == 0
+                    and used + 2 * chunks + 2 <= len(tables)
+                    and max(data_size, rows) < 2**31
+                ):
+                    ok = tables_of(words_at, words_size, data_size, rows, width, used)
+                    rec[page + 11] = used if ok else -2
+                    rec[7] = used + 2 * chunks + 2 if ok else used
+            page = m + 2 * rec[page + 3]
 
 
 class Page(NamedTuple):
@@ -264,13 +359,18 @@ class Page(NamedTuple):
     rows: int
     encoding: bytes  # the page's ``Encoding`` message, as written
     key: tuple[bytes, bytes] | None  # its layout key (Footer.pages)
+    large: bool  # has_large_chunk: u32 chunk words (a mini-block page)
+    tables_at: int  # where its chunk tables are in Footer.tables; -1: not built; -2: invalid
 
 
 class Footer(NamedTuple):
-    """A walked footer: :func:`walk`'s record (as Python ints) and the bytes it indexes."""
+    """A walked footer: :func:`walk`'s record (as Python ints), the bytes it indexes, and
+    the chunk tables the compiled walk built (``int32``; empty from the Python walk).
+    """
 
     rec: list[int]
     tail: bytes
+    tables: np.ndarray = np.zeros(0, np.int32)
 
     @property
     def version(self) -> tuple[int, int]:
@@ -317,13 +417,16 @@ class Footer(NamedTuple):
         """
         rec, tail, out = self.rec, self.tail, []
         for _ in range(n):
-            rows, at, size, m, url_at, url_n, lay_at, lay_n, cut, end = rec[k : k + PAGE]
+            rows, at, size, m, url_at, url_n, lay_at, lay_n, cut, end, large, tables_at = rec[
+                k : k + PAGE
+            ]
             key = None
             if lay_at >= 0:
                 key = (tail[url_at : url_at + url_n], tail[lay_at:cut] + tail[end : lay_at + lay_n])
             k += PAGE
+            positions, sizes = rec[k : k + m], rec[k + m : k + 2 * m]
             out.append(
-                Page(rec[k : k + m], rec[k + m : k + 2 * m], rows, tail[at : at + size], key)
+                Page(positions, sizes, rows, tail[at : at + size], key, bool(large), tables_at)
             )
             k += 2 * m
         return out
@@ -335,19 +438,25 @@ def read_footer(fd: int, run: Any = None) -> Footer:
     ``run("walk_footer", ...)`` where that runs it (:meth:`slafload.kernels.Kernels.run`),
     else by :func:`walk` in Python. Raises ``ValueError`` if it is not one this reads.
     """
-    size = os.fstat(fd).st_size
+    if run is not None:  # compiled: reads, walks and builds the chunk tables in one call
+        buffer = np.empty(TAIL, np.uint8)
+        rec: Any = np.empty(RECORD, np.int64)
+        tables = np.empty(TABLES, np.int32)
+        if run("walk_footer", buffer, -1, rec, fd, np.empty(WORDS, np.uint8), tables,
+               start=False):  # fmt: skip
+            if rec[0] > 0:
+                rec = rec[: rec[0]].tolist()
+                return Footer(rec, buffer[: rec[8]].tobytes(), tables[: rec[7]].copy())
+            if rec[0] == BAD:
+                raise ValueError("not a Lance 2.x footer this reads")
+    size = os.fstat(fd).st_size  # else (or larger than the compiled walk's record): in Python
     base = max(0, size - TAIL)
     while True:
         tail = os.pread(fd, size - base, base)
         if len(tail) != size - base:
             raise ValueError("file changed while its footer was read")
-        rec: Any = np.empty(RECORD, np.int64)
-        if run is not None and run("walk_footer", np.frombuffer(tail, np.uint8), size, rec,
-                                   start=False):  # fmt: skip
-            rec = rec[: max(2, rec[0])].tolist()
-        else:  # a list: Python sets its items faster than an array's
-            rec = [0] * RECORD
-            walk(tail, size, rec)
+        rec = [0] * RECORD  # a list: Python sets its items faster than an array's
+        walk(tail, size, rec)
         if rec[0] == MORE and base > rec[1]:
             base = rec[1]
             continue

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from slafload import footer
 from slafload.footer import walk
 
 BACKENDS = ("auto", "numba", "numpy")
@@ -208,7 +209,7 @@ def prepare_reads(kernels: Kernels) -> None:
     ``backend="numba"``): the read threads use each kernel once it is ready. That is
     :func:`slafload.flat_pages.read_ranges`' ``pread_runs`` and ``decode_chunks``, and for
     opening a file from its footer (:meth:`slafload.flat_pages.FileFormat.open`),
-    ``walk_footer`` (:func:`slafload.footer.walk`) and ``chunk_tables``.
+    ``walk_footer`` (:func:`slafload.footer.walk`).
     """
     if not _HAS_PREAD:  # no libc pread here: the reads use os.preadv
         return
@@ -217,9 +218,7 @@ def prepare_reads(kernels: Kernels) -> None:
     kernels.prepare("decode_chunks", b, np.zeros((0, 10), np.int64), z, z, z,
                     np.zeros(0, np.uint64), b, np.zeros(1, np.int64))  # fmt: skip
     # Opening a file from its footer (slafload.flat_pages.FileFormat.open).
-    kernels.prepare("walk_footer", np.frombuffer(b"", np.uint8), 0, np.zeros(1, np.int64))
-    kernels.prepare("chunk_tables", 0, np.zeros((0, 6), np.int64), b, np.zeros(0, np.int32),
-                    np.zeros(1, np.int64))  # fmt: skip
+    kernels.prepare("walk_footer", b, -1, z, -1, b, np.zeros(0, np.int32))
 
 
 def _import_numba() -> Any:
@@ -229,6 +228,8 @@ def _import_numba() -> Any:
     if _HAS_PREAD and _pread is None:
         t = numba.types
         _pread = t.ExternalFunction("pread", t.intp(t.int32, t.voidptr, t.uintp, t.int64))
+        footer._pread = _pread  # the compiled footer walk reads the file itself
+        footer._lseek = t.ExternalFunction("lseek", t.int64(t.int32, t.int64, t.int32))
     return _COMPILED.setdefault(_IMPORT, numba)
 
 
@@ -582,57 +583,6 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
             c += 1
 
 
-def _chunk_tables(fd: int, pages: np.ndarray, words: np.ndarray, tables: np.ndarray,
-                  failed: np.ndarray) -> None:  # fmt: skip
-    """:func:`slafload.miniblock.load` of each page ``pages[p]`` = (where its chunk words
-    are in the file open as ``fd``, their bytes, its chunks' bytes, its rows, bytes per word,
-    where its tables go in ``tables``): its words read (``pread``) into ``words``, then its
-    chunks' offsets and first rows (each ``chunks + 1`` long, the total last) written to
-    ``tables`` from there. ``failed[0]`` is the first page whose words could not be read
-    whole or do not add up to its rows and bytes (the numpy code's checks), else -1.
-    """
-    failed[0] = -1
-    base = words.ctypes.data
-    for p in range(len(pages)):
-        words_at, words_size, data_size = pages[p, 0], pages[p, 1], pages[p, 2]
-        rows, width, out = pages[p, 3], pages[p, 4], pages[p, 5]
-        got = 0
-        while got < words_size:
-            n = _pread(np.int32(fd), base + got, words_size - got, words_at + got)
-            if n <= 0:
-                failed[0] = p
-                return
-            got += n
-        chunks = words_size // width
-        before, blocks, log = 0, 0, 0  # rows before the last chunk, 8-byte blocks
-        for c in range(chunks):
-            word = int(words[width * c]) | int(words[width * c + 1]) << 8
-            if width == 4:
-                word |= int(words[4 * c + 2]) << 16 | int(words[4 * c + 3]) << 24
-            log = word & 0xF
-            if c < chunks - 1:
-                if log == 0:  # only the last chunk may hold "the rest"
-                    failed[0] = p
-                    return
-                before += 1 << log
-            blocks += (word >> 4) + 1
-        last = rows - before
-        if chunks == 0 or last <= 0 or (log != 0 and 1 << log != last) or blocks * 8 != data_size:
-            failed[0] = p
-            return
-        at, first = 0, 0
-        tables[out] = 0
-        tables[out + chunks + 1] = 0
-        for c in range(chunks):
-            word = int(words[width * c]) | int(words[width * c + 1]) << 8
-            if width == 4:
-                word |= int(words[4 * c + 2]) << 16 | int(words[4 * c + 3]) << 24
-            at += ((word >> 4) + 1) * 8
-            first += (1 << (word & 0xF)) if c < chunks - 1 else last
-            tables[out + 1 + c] = at
-            tables[out + chunks + 2 + c] = first
-
-
 _KERNELS = {
     "copy_runs_1": _copy_runs_1,
     "copy_runs_2": _copy_runs_2,
@@ -640,6 +590,5 @@ _KERNELS = {
     "quantile_bins": _quantile_bins,
     "pread_runs": _pread_runs,
     "decode_chunks": _decode_chunks,
-    "chunk_tables": _chunk_tables,
     "walk_footer": walk,  # written once for CPython and numba (slafload/footer.py)
 }

@@ -9,7 +9,6 @@ import pytest
 from lance.file import LanceFileReader
 from test_miniblock import atlas_like, shapes, write
 
-import slafload.flat_pages as flat_pages
 from slafload import footer
 from slafload.flat_pages import FlatFiles, FlatRange, read_ranges
 from slafload.footer import BAD, FULL, MORE, read_footer, walk
@@ -47,8 +46,11 @@ def tail_of(path: str, n: int = footer.TAIL) -> tuple[bytes, int]:
 
 
 def compiled_walk(kernels: Kernels, tail: bytes, size: int, n: int = footer.RECORD) -> list[int]:
+    """The compiled walk of given bytes (``fd`` -1: as the Python walk, no reads, no tables)."""
     rec = np.full(n, 123_456, np.int64)
-    assert kernels.run("walk_footer", np.frombuffer(tail, np.uint8), size, rec, start=False)
+    data, none = np.frombuffer(tail, np.uint8).copy(), np.zeros(0, np.uint8)
+    assert kernels.run("walk_footer", data, size, rec, -1, none, np.zeros(0, np.int32),
+                       start=False)  # fmt: skip
     return rec.tolist()
 
 
@@ -94,12 +96,30 @@ def test_python_and_compiled_walks_agree_on_real_files(tmp_path, numba_kernels):
         tail, size = tail_of(path)
         assert python_walk(tail, size, 12)[0] in (FULL, python_walk(tail, size)[0])
         assert compiled_walk(numba_kernels, tail, size, 12)[0] == python_walk(tail, size, 12)[0]
-    fd = os.open(big, os.O_RDONLY)
-    try:  # a second read where the metadata starts before the first; both walk it whole
-        assert read_footer(fd, numba_kernels.run) == read_footer(fd)
-        assert len(read_footer(fd).tail) > 200
-    finally:
-        os.close(fd)
+    huge = str(tmp_path / "huge_metadata.lance")  # more metadata than the first read's 16 KB
+    with_tables = 0
+    write(huge, atlas_like(400_000, rng), "2.0", max_page_bytes=1 << 10)
+    for path in [*paths, big, huge]:
+        fd = os.open(path, os.O_RDONLY)
+        try:  # the compiled walk reads the file itself, and builds the chunk tables
+            compiled, python = read_footer(fd, numba_kernels.run), read_footer(fd)
+        finally:
+            os.close(fd)
+        assert python.tables.size == 0
+        assert compiled.rec[:7] == python.rec[:7] and compiled.tail == python.tail, path
+        assert plain(compiled) == plain(python), path
+        built = max(p.tables_at for _, pages in compiled.columns() for p in pages)
+        if path == huge or path.endswith("_2.0.lance"):
+            assert built == -1 and compiled.tables.size == 0, path  # huge: walked in Python
+        else:
+            with_tables += built >= 0
+    assert with_tables >= len(paths) * 2 // 3 - 2  # all but files of constant pages
+    assert len(python.tail) > footer.TAIL  # huge: a second read, in Python
+
+
+def plain(found) -> list:
+    """A footer's columns, but for where the compiled walk put each page's chunk tables."""
+    return [(e, [p._replace(tables_at=-1) for p in pages]) for e, pages in found.columns()]
 
 
 def test_damaged_footers_are_rejected_alike_and_never_read_out_of_bounds(tmp_path, numba_kernels):
@@ -190,27 +210,20 @@ def test_chunk_words_that_do_not_add_up_fail_alike(tmp_path, numba_kernels):
     rng = np.random.default_rng(8)
     path = str(tmp_path / "a.lance")
     write(path, atlas_like(40_000, rng), "2.2")
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        pages = read_footer(fd).columns()[2][1]  # values: mini-block pages
-    finally:
-        os.close(fd)
+    columns = ["cell", "gene", "value"]
     files_ = FlatFiles(kernels=numba_kernels)
-    assert files_.open(path, ["cell", "gene", "value"]) is not None
-    page = pages[0]
-    wanted = [
-        (
-            files_.format.layouts[2][page.key],
-            list(zip(page.positions, page.sizes, strict=True)),
-            page.rows,
-        )
-    ]
+    assert files_.open(path, columns) is not None
+    form = files_.format
     fd = os.open(path, os.O_RDONLY)
     try:
-        for kernels in [numba_kernels, NUMPY]:
-            assert flat_pages._load_pages(fd, wanted, kernels) is not None
+        page = read_footer(fd, numba_kernels.run).columns()[2][1][0]  # values: mini-block
     finally:
         os.close(fd)
+    assert page.tables_at >= 0
+    for kernels in [numba_kernels, NUMPY]:
+        flat = form.open(path, columns, kernels)
+        assert flat is not None
+        flat.close()
     with open(path, "rb") as f:
         data = f.read()
     (words_at, _), (words_size, _) = page.positions, page.sizes
@@ -220,15 +233,18 @@ def test_chunk_words_that_do_not_add_up_fail_alike(tmp_path, numba_kernels):
         "size": lambda w: bytes([w[0] ^ 0x10]) + w[1:],  # a chunk 8 bytes more or less
     }
     for name, damage in damages.items():
-        broken = tmp_path / f"{name}.lance"
+        broken = str(tmp_path / f"{name}.lance")
         words = data[words_at : words_at + words_size]
-        broken.write_bytes(data[:words_at] + damage(words) + data[words_at + words_size :])
+        with open(broken, "wb") as f:
+            f.write(data[:words_at] + damage(words) + data[words_at + words_size :])
         fd = os.open(broken, os.O_RDONLY)
         try:
-            for kernels in [numba_kernels, NUMPY]:
-                assert flat_pages._load_pages(fd, wanted, kernels) is None, (name, kernels)
+            found = read_footer(fd, numba_kernels.run).columns()[2][1][0]
         finally:
             os.close(fd)
+        assert found.tables_at == -2, name
+        for kernels in [numba_kernels, NUMPY]:  # the numpy code (miniblock.load) agrees
+            assert form.open(broken, columns, kernels) is None, (name, kernels)
 
 
 @needs_numba
