@@ -47,7 +47,7 @@ from lance.file import LanceFileReader
 
 from slafload import miniblock
 from slafload.buffers import BytePool, fresh
-from slafload.footer import Footer, read_footer
+from slafload.footer import Footer, open_footer, read_footer
 from slafload.kernels import NUMPY, Kernels
 
 logger = logging.getLogger(__name__)
@@ -374,14 +374,17 @@ class FileFormat:
         ``walk_footer`` where it is compiled, else in Python; the file opens the same either
         way.
         """
-        try:
-            fd = _open_fd(path)
+        try:  # by the kernel: the GIL released once for the open, the reads and the walk
+            opened = open_footer(path, kernels.run) if kernels.backend == "numba" else None
+            fd, found = opened if opened is not None else (_open_fd(path), None)
         except OSError as exc:  # Lance's open reports it
             logger.debug("cannot open %s: %r", path, exc)
             return None
+        except ValueError as exc:  # not a footer this reads: opened as the first file was
+            logger.debug("no flat footer for %s: %r", path, exc)
+            return None
         try:
-            run = kernels.run if kernels.backend == "numba" else None
-            picked = self._columns(fd, read_footer(fd, run), columns)
+            picked = self._columns(fd, read_footer(fd) if found is None else found, columns)
         except Exception as exc:  # anything unexpected: opened as the first file was
             logger.debug("no flat footer for %s: %r", path, exc)
             picked = None

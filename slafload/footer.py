@@ -36,9 +36,10 @@ TABLES = 1 << 14  # compiled: int32s of chunk tables it builds per file (the res
 BAD = 0  # not a Lance 2.x footer this reads
 MORE = -1  # the metadata starts before the bytes given: rec[1] is the file offset it starts at
 FULL = -2  # the record is too small for the metadata
-HEADER = 9
-"""rec[1:9]: major, minor, rows, where the schema message is in the bytes and its length,
-columns, the chunk table entries built (compiled), the bytes walked; then the index in rec of
+HEADER = 10
+"""rec[1:10]: major, minor, rows, where the schema message is in the bytes and its length,
+columns, the chunk table entries built (compiled), the bytes walked, the descriptor it opened
+(compiled, given a path); then the index in rec of
 each column's record: the column's encoding (where, length), its pages, and each page's
 record (:data:`PAGE`). Positions and sizes are the file's; "where" indexes the bytes walked."""
 PAGE = 12
@@ -50,15 +51,17 @@ page has none, or not one ``num_items`` equal to its rows) and that ``num_items`
 where its chunk tables start in the tables the compiled walk built (-1: not built, -2: its
 chunk words do not add up to its rows and bytes)."""
 
-# libc's lseek and pread, as numba calls them: set by slafload.kernels when it imports numba
-# (the compiled walk reads the file itself; the Python walk is given its bytes).
+# libc's open, lseek and pread, as numba calls them: set by slafload.kernels when it imports
+# numba (the compiled walk opens and reads the file itself; the Python walk is given its bytes).
+_open: Any = None
 _lseek: Any = None
 _pread: Any = None
 
 
 def walk(
-    tail: Any, size: int, rec: Any, fd: int = -1, words: Any = None, tables: Any = None
-) -> None:
+    tail: Any, size: int, rec: Any, fd: int = -1, words: Any = None, tables: Any = None,
+    flags: int = -1,
+) -> None:  # fmt: skip
     """Walk the metadata of a Lance 2.x data file of ``size`` bytes whose last ``len(tail)``
     bytes are ``tail`` into ``rec`` (ints: a list, or the kernel's ``int64`` array; see
     :data:`HEADER`; ``rec[0]`` says how it went).
@@ -72,10 +75,19 @@ def walk(
     file's size and last bytes into ``tail`` itself, then, for each mini-block page, its
     chunk words into ``words`` and its chunk tables (:func:`slafload.miniblock.load`'s,
     ``chunks + 1`` offsets then ``chunks + 1`` first rows) into ``tables``: one call, the GIL
-    released throughout, where Python would take it back after every read.
+    released throughout, where Python would take it back after every read. With ``flags``
+    (>= 0) it opens the file too: the path, NUL-terminated, at the start of ``tail``, opened
+    with those ``open`` flags; the descriptor is then ``rec[9]`` (-1: it could not be opened),
+    and the caller's to close.
     """
     rec[0] = BAD
+    rec[9] = -1
     data = tail
+    if flags >= 0:
+        fd = _open(tail.ctypes.data, np.int32(flags))
+        rec[9] = fd
+        if fd < 0:
+            return
     if fd >= 0:  # compiled: read the bytes here
         size = _lseek(np.int32(fd), 0, 2)
         n = min(size, len(tail))
@@ -432,23 +444,69 @@ class Footer(NamedTuple):
         return out
 
 
-def read_footer(fd: int, run: Any = None) -> Footer:
+def open_footer(path: str, run: Any) -> tuple[int, Footer] | None:
+    """The data file at ``path`` opened (read-only, close-on-exec) and its walked footer, by
+    one call of ``run("walk_footer", ...)``, the GIL released once for the open, the reads
+    and the walk; ``None`` where that kernel does not run (then ``os.open`` and
+    :func:`read_footer`). The descriptor is the caller's to close.
+
+    Raises:
+        OSError: the file cannot be opened.
+        ValueError: it is not a Lance 2.x file this reads (the descriptor is closed).
+    """
+    name = os.fsencode(path)
+    if len(name) >= TAIL or b"\0" in name:
+        return None
+    buffer = np.empty(TAIL, np.uint8)
+    buffer[: len(name)] = np.frombuffer(name, np.uint8)
+    buffer[len(name)] = 0
+    done = _compiled(run, buffer, -1, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    if done is None:
+        return None
+    status, fd, found = done
+    if fd < 0:
+        raise OSError(f"cannot open {path}")
+    try:  # more metadata than the first read, or a record too small: in Python
+        return fd, found if found is not None else read_footer(fd, None, status)
+    except Exception:
+        os.close(fd)
+        raise
+
+
+def _compiled(
+    run: Any, buffer: np.ndarray, fd: int, flags: int
+) -> tuple[int, int, Footer | None] | None:
+    """``(rec[0], descriptor, footer)`` of the compiled walk of the file open as ``fd`` (or
+    opened with ``flags``, its path in ``buffer``), the footer ``None`` unless it walked
+    all of it; ``None`` where the kernel does not run.
+    """
+    rec = np.empty(RECORD, np.int64)
+    tables = np.empty(TABLES, np.int32)
+    if not run("walk_footer", buffer, -1, rec, fd, np.empty(WORDS, np.uint8), tables, flags,
+               start=False):  # fmt: skip
+        return None
+    status, fd = int(rec[0]), int(rec[9]) if flags >= 0 else fd
+    if status <= 0:
+        return status, fd, None
+    got = rec[:status].tolist()
+    return status, fd, Footer(got, buffer[: got[8]].tobytes(), tables[: got[7]].copy())
+
+
+def read_footer(fd: int, run: Any = None, status: int | None = None) -> Footer:
     """The walked footer of the Lance 2.x data file open as ``fd``: one ``pread`` of its last
     :data:`TAIL` bytes (a second where its metadata starts before them), walked by
     ``run("walk_footer", ...)`` where that runs it (:meth:`slafload.kernels.Kernels.run`),
-    else by :func:`walk` in Python. Raises ``ValueError`` if it is not one this reads.
+    else by :func:`walk` in Python. ``status``: what a compiled walk of it gave already.
+    Raises ``ValueError`` if it is not one this reads.
     """
     if run is not None:  # compiled: reads, walks and builds the chunk tables in one call
-        buffer = np.empty(TAIL, np.uint8)
-        rec: Any = np.empty(RECORD, np.int64)
-        tables = np.empty(TABLES, np.int32)
-        if run("walk_footer", buffer, -1, rec, fd, np.empty(WORDS, np.uint8), tables,
-               start=False):  # fmt: skip
-            if rec[0] > 0:
-                rec = rec[: rec[0]].tolist()
-                return Footer(rec, buffer[: rec[8]].tobytes(), tables[: rec[7]].copy())
-            if rec[0] == BAD:
-                raise ValueError("not a Lance 2.x footer this reads")
+        done = _compiled(run, np.empty(TAIL, np.uint8), fd, -1)
+        if done is not None:
+            status, _, found = done
+            if found is not None:
+                return found
+    if status == BAD:
+        raise ValueError("not a Lance 2.x footer this reads")
     size = os.fstat(fd).st_size  # else (or larger than the compiled walk's record): in Python
     base = max(0, size - TAIL)
     while True:

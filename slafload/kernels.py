@@ -218,7 +218,7 @@ def prepare_reads(kernels: Kernels) -> None:
     kernels.prepare("decode_chunks", b, np.zeros((0, 10), np.int64), z, z, z,
                     np.zeros(0, np.uint64), b, np.zeros(1, np.int64))  # fmt: skip
     # Opening a file from its footer (slafload.flat_pages.FileFormat.open).
-    kernels.prepare("walk_footer", b, -1, z, -1, b, np.zeros(0, np.int32))
+    kernels.prepare("walk_footer", b, -1, z, -1, b, np.zeros(0, np.int32), -1)
 
 
 def _import_numba() -> Any:
@@ -230,6 +230,8 @@ def _import_numba() -> Any:
         _pread = t.ExternalFunction("pread", t.intp(t.int32, t.voidptr, t.uintp, t.int64))
         footer._pread = _pread  # the compiled footer walk reads the file itself
         footer._lseek = t.ExternalFunction("lseek", t.int64(t.int32, t.int64, t.int32))
+        # open(path, flags) without a mode: the fixed arguments of the variadic open(2)
+        footer._open = t.ExternalFunction("open", t.int32(t.voidptr, t.int32))
     return _COMPILED.setdefault(_IMPORT, numba)
 
 

@@ -11,7 +11,7 @@ from test_miniblock import atlas_like, shapes, write
 
 from slafload import footer
 from slafload.flat_pages import FlatFiles, FlatRange, read_ranges
-from slafload.footer import BAD, FULL, MORE, read_footer, walk
+from slafload.footer import BAD, FULL, MORE, open_footer, read_footer, walk
 from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
 
 needs_numba = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
@@ -49,7 +49,7 @@ def compiled_walk(kernels: Kernels, tail: bytes, size: int, n: int = footer.RECO
     """The compiled walk of given bytes (``fd`` -1: as the Python walk, no reads, no tables)."""
     rec = np.full(n, 123_456, np.int64)
     data, none = np.frombuffer(tail, np.uint8).copy(), np.zeros(0, np.uint8)
-    assert kernels.run("walk_footer", data, size, rec, -1, none, np.zeros(0, np.int32),
+    assert kernels.run("walk_footer", data, size, rec, -1, none, np.zeros(0, np.int32), -1,
                        start=False)  # fmt: skip
     return rec.tolist()
 
@@ -261,3 +261,30 @@ def test_kernels_called_with_other_argument_types_run_the_kernel_for_those():
         assert not kernels.run("fill_runs", np.zeros(4, np.float16), start, stop, 1.0)
     finally:
         kernels.close()
+
+
+def test_a_file_opened_by_the_compiled_walk_gives_the_same_footer_and_no_stray_descriptor(
+    tmp_path, numba_kernels
+):
+    rng = np.random.default_rng(9)
+    path = str(tmp_path / "a.lance")
+    write(path, atlas_like(20_000, rng), "2.2")
+    junk = tmp_path / "junk.lance"
+    junk.write_bytes(bytes(range(256)) * 40)
+    open_fds = len(os.listdir("/proc/self/fd"))
+    fd, found = open_footer(path, numba_kernels.run)
+    try:
+        assert fd >= 0 and os.fstat(fd).st_size == os.path.getsize(path)
+        again = read_footer(fd, numba_kernels.run)  # the file already open
+        assert found.rec[:9] == again.rec[:9] and found.rec[10:] == again.rec[10:]
+        assert found.rec[9] == fd and again.rec[9] == -1
+        assert found.tail == again.tail and np.array_equal(found.tables, again.tables)
+        assert plain(found) == plain(read_footer(fd)) and found.tables.size > 0
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        open_footer(str(tmp_path / "missing.lance"), numba_kernels.run)
+    with pytest.raises(ValueError):
+        open_footer(str(junk), numba_kernels.run)
+    assert len(os.listdir("/proc/self/fd")) == open_fds
+    assert open_footer(path, NUMPY.run) is None  # no kernel: the caller opens it
