@@ -393,6 +393,7 @@ class DataFiles:
         try:
             with self._in_turn if self.threads == 1 else contextlib.nullcontext():
                 for some, read in zip(plan, done, strict=True):
+                    self._open_window(some, cols)
                     streams = [self._stream(f, cols, a, m) for f, _, a, m in some]
                     flat = self._read_flat(streams, [keep[k] for _, k, _, _ in some])
                     for i, ((_, k, _, _), stream) in enumerate(zip(some, streams, strict=True)):
@@ -434,6 +435,32 @@ class DataFiles:
         for i, table in zip(owner, read, strict=True):
             parts.setdefault(i, []).append(table)
         return {i: t[0] if len(t) == 1 else pa.concat_tables(t) for i, t in parts.items()}
+
+    def _open_window(self, pieces: list[tuple[int, int, int, int]], cols: tuple[str, ...]) -> None:
+        """Open the files of a window's ``pieces`` that are not open yet, flat from their
+        footers, by one kernel call (:meth:`FlatFiles.open_many`): a block sampler's window
+        on the 5M atlas opens ~100 files in an epoch's first seconds, and opening each alone
+        took the GIL back once per file, each time after the other threads' turns. A file
+        that does not open so is left to :meth:`_opened`.
+        """
+        if not (self.flat and self._flat_files.format is not None and self._decoder_ready()):
+            return
+        todo: dict[int, _Open] = {}
+        for f, *_ in pieces:
+            entry = self._entry(f, cols)
+            if entry.reader is None or entry.provisional:
+                todo[f] = entry
+        if len(todo) < 2:
+            return  # one file: _opened opens it as well
+        opened = self._flat_files.open_many([self.paths[f] for f in todo], cols)
+        for entry, flat in zip(todo.values(), opened, strict=True):
+            if flat is None:
+                continue
+            with entry.lock:
+                if entry.reader is None or entry.provisional:
+                    entry.reader, entry.provisional = flat, False
+                else:  # another thread opened it meanwhile
+                    flat.close()
 
     def _stream(self, index: int, cols: tuple[str, ...], start: int, rows: int) -> Any:
         """A started ``read_range`` of ``rows`` rows from ``start`` in data file ``index``

@@ -47,7 +47,7 @@ from lance.file import LanceFileReader
 
 from slafload import miniblock
 from slafload.buffers import BytePool, fresh
-from slafload.footer import Footer, open_footer, read_footer
+from slafload.footer import Footer, open_footers, read_footer
 from slafload.kernels import NUMPY, Kernels
 
 logger = logging.getLogger(__name__)
@@ -370,21 +370,50 @@ class FileFormat:
         row count), each 2.0 page one buffer of its rows' values, each mini-block page's
         chunks adding up to its rows and bytes, and the pages to the file's rows.
 
-        The footer is read and walked and the chunk tables built by one call of ``kernels``'
-        ``walk_footer`` where it is compiled, else in Python; the file opens the same either
-        way.
+        The file is opened, read and walked and its chunk tables built by ``kernels``'
+        ``walk_many`` where it is compiled (:meth:`open_many`), else in Python; the file
+        opens the same either way.
         """
-        try:  # by the kernel: the GIL released once for the open, the reads and the walk
-            opened = open_footer(path, kernels.run) if kernels.backend == "numba" else None
-            fd, found = opened if opened is not None else (_open_fd(path), None)
+        many = self.open_many([path], columns, kernels)
+        if many is not None:
+            return many[0]
+        try:
+            fd = _open_fd(path)
         except OSError as exc:  # Lance's open reports it
             logger.debug("cannot open %s: %r", path, exc)
             return None
-        except ValueError as exc:  # not a footer this reads: opened as the first file was
-            logger.debug("no flat footer for %s: %r", path, exc)
+        try:
+            found: Footer | Exception = read_footer(fd)
+        except ValueError as exc:
+            found = exc
+        return self._opened(path, columns, fd, found)
+
+    def open_many(
+        self, paths: Sequence[str], columns: Sequence[str], kernels: Kernels
+    ) -> list[FlatFile | None] | None:
+        """:meth:`open` of each of ``paths``, all opened, read and walked by one call of
+        ``kernels``' ``walk_many`` (:func:`slafload.footer.open_footers`: the GIL released
+        once for them all); ``None`` where that kernel does not run.
+        """
+        opened = open_footers(paths, kernels.run) if kernels.backend == "numba" else None
+        if opened is None:
+            return None
+        return [self._opened(path, columns, fd, found)
+                for path, (fd, found) in zip(paths, opened, strict=True)]  # fmt: skip
+
+    def _opened(
+        self, path: str, columns: Sequence[str], fd: int, found: Footer | Exception
+    ) -> FlatFile | None:
+        """The flat reader of the file open as ``fd`` (-1: not open) from its walked footer
+        (an exception: why it could not be opened or walked), or ``None`` (``fd`` closed).
+        """
+        if isinstance(found, Exception):  # Lance's open reports it, or reads the file
+            logger.debug("no flat footer for %s: %r", path, found)
+            if fd >= 0:
+                os.close(fd)
             return None
         try:
-            picked = self._columns(fd, read_footer(fd) if found is None else found, columns)
+            picked = self._columns(fd, found, columns)
         except Exception as exc:  # anything unexpected: opened as the first file was
             logger.debug("no flat footer for %s: %r", path, exc)
             picked = None
@@ -505,6 +534,17 @@ class FlatFiles:
     def format(self) -> FileFormat | None:
         """The table's format, once a file has taught it."""
         return self._format
+
+    def open_many(self, paths: Sequence[str], columns: Sequence[str]) -> list[FlatFile | None]:
+        """The flat readers of ``columns`` of the data files at ``paths`` that open from their
+        footers (:meth:`FileFormat.open_many`, by one kernel call), ``None`` for the others
+        (:meth:`open` them one by one): all ``None`` until a file has taught the format, or
+        while the ``walk_many`` kernel is not compiled.
+        """
+        form = self._format
+        if form is None or (form.layouts and not self.mini):
+            return [None] * len(paths)
+        return form.open_many(paths, columns, self.kernels) or [None] * len(paths)
 
     def open(
         self, path: str, columns: Sequence[str], *, mini: bool | None = None

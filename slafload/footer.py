@@ -21,6 +21,7 @@ not read gives :data:`BAD`, never an out-of-bounds read.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,8 +30,13 @@ FOOTER_SIZE = 40  # <QQQIIHH4s
 TAIL = 16 << 10  # bytes read from a file's end to find its metadata (more only if it is larger)
 MAX_METADATA = 64 << 20  # more than this is not a file this reads (Lance's reader opens it)
 RECORD = 4096  # int64s in a walk's record: a file whose metadata needs more is walked in Python
-WORDS = 16 << 10  # compiled: the most bytes of chunk words of a page whose tables it builds
-TABLES = 1 << 14  # compiled: int32s of chunk tables it builds per file (the rest: in numpy)
+# The compiled walk, per file: the bytes it reads from the end (a file whose metadata starts
+# before them is walked again in Python), its record, the most bytes of chunk words of a page
+# whose tables it builds, and the int32s of chunk tables it builds (the rest: in numpy).
+FIRST_READ = 4 << 10
+RECORD_COMPILED = 1024
+WORDS = 16 << 10
+TABLES = 1 << 14
 
 # rec[0] after a walk: the entries used (> 0), or one of these.
 BAD = 0  # not a Lance 2.x footer this reads
@@ -444,70 +450,74 @@ class Footer(NamedTuple):
         return out
 
 
-def open_footer(path: str, run: Any) -> tuple[int, Footer] | None:
-    """The data file at ``path`` opened (read-only, close-on-exec) and its walked footer, by
-    one call of ``run("walk_footer", ...)``, the GIL released once for the open, the reads
-    and the walk; ``None`` where that kernel does not run (then ``os.open`` and
-    :func:`read_footer`). The descriptor is the caller's to close.
-
-    Raises:
-        OSError: the file cannot be opened.
-        ValueError: it is not a Lance 2.x file this reads (the descriptor is closed).
+def walk_many(buffers: Any, recs: Any, words: Any, tables: Any, flags: int) -> None:
+    """Compiled only: open and walk each file whose NUL-terminated path starts ``buffers[f]``
+    into ``recs[f]``, as :func:`walk` does given ``flags``, each file's chunk tables after
+    the previous file's in ``tables``: every file of a read window in one call.
     """
-    name = os.fsencode(path)
-    if len(name) >= TAIL or b"\0" in name:
-        return None
-    buffer = np.empty(TAIL, np.uint8)
-    buffer[: len(name)] = np.frombuffer(name, np.uint8)
-    buffer[len(name)] = 0
-    done = _compiled(run, buffer, -1, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    if done is None:
-        return None
-    status, fd, found = done
-    if fd < 0:
-        raise OSError(f"cannot open {path}")
-    try:  # more metadata than the first read, or a record too small: in Python
-        return fd, found if found is not None else read_footer(fd, None, status)
-    except Exception:
-        os.close(fd)
-        raise
+    at = 0
+    for f in range(len(buffers)):
+        walk_compiled(buffers[f], -1, recs[f], -1, words, tables[at:], flags)
+        if recs[f, 0] > 0:
+            at += recs[f, 7]
 
 
-def _compiled(
-    run: Any, buffer: np.ndarray, fd: int, flags: int
-) -> tuple[int, int, Footer | None] | None:
-    """``(rec[0], descriptor, footer)`` of the compiled walk of the file open as ``fd`` (or
-    opened with ``flags``, its path in ``buffer``), the footer ``None`` unless it walked
-    all of it; ``None`` where the kernel does not run.
+walk_compiled: Any = None
+""":func:`walk` compiled by numba (set by :mod:`slafload.kernels`): what :func:`walk_many` calls."""
+
+
+def open_footers(paths: Sequence[str], run: Any) -> list[tuple[int, Footer | Exception]] | None:
+    """Each data file of ``paths`` opened (read-only, close-on-exec) and its footer walked,
+    its chunk tables built, all by one call of ``run("walk_many", ...)``: the GIL released
+    once for all the opens, reads and walks (a read window opens ~100 files on the 5M atlas,
+    and each time a read thread takes the GIL back it waits for the other threads' turns).
+    ``None`` where that kernel does not run (then ``os.open`` and :func:`read_footer`).
+
+    Returns, per path, its descriptor (the caller's to close) and footer, or -1 and the
+    ``OSError`` (it cannot be opened) or ``ValueError`` (not a Lance 2.x file this reads).
     """
-    rec = np.empty(RECORD, np.int64)
-    tables = np.empty(TABLES, np.int32)
-    if not run("walk_footer", buffer, -1, rec, fd, np.empty(WORDS, np.uint8), tables, flags,
+    names = [os.fsencode(path) for path in paths]
+    if any(len(name) >= FIRST_READ or b"\0" in name for name in names):
+        return None
+    buffers = np.empty((len(names), FIRST_READ), np.uint8)
+    for row, name in zip(buffers, names, strict=True):
+        row[: len(name)] = np.frombuffer(name, np.uint8)
+        row[len(name)] = 0
+    recs = np.empty((len(names), RECORD_COMPILED), np.int64)
+    tables = np.empty(len(names) * TABLES, np.int32)
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    if not run("walk_many", buffers, recs, np.empty(WORDS, np.uint8), tables, flags,
                start=False):  # fmt: skip
         return None
-    status, fd = int(rec[0]), int(rec[9]) if flags >= 0 else fd
-    if status <= 0:
-        return status, fd, None
-    got = rec[:status].tolist()
-    return status, fd, Footer(got, buffer[: got[8]].tobytes(), tables[: got[7]].copy())
+    out: list[tuple[int, Footer | Exception]] = []
+    at = 0
+    for path, buffer, rec in zip(paths, buffers, recs, strict=True):
+        status, fd = int(rec[0]), int(rec[9])
+        if fd < 0:
+            out.append((-1, OSError(f"cannot open {path}")))
+        elif status > 0:
+            got = rec[:status].tolist()
+            tail, used = buffer[: got[8]].tobytes(), got[7]
+            out.append((fd, Footer(got, tail, tables[at : at + used].copy())))
+            at += used
+        else:  # more metadata than the first read, or a record too small: in Python
+            try:
+                out.append((fd, read_footer(fd, status)))
+            except ValueError as exc:
+                os.close(fd)
+                out.append((-1, exc))
+    return out
 
 
-def read_footer(fd: int, run: Any = None, status: int | None = None) -> Footer:
-    """The walked footer of the Lance 2.x data file open as ``fd``: one ``pread`` of its last
-    :data:`TAIL` bytes (a second where its metadata starts before them), walked by
-    ``run("walk_footer", ...)`` where that runs it (:meth:`slafload.kernels.Kernels.run`),
-    else by :func:`walk` in Python. ``status``: what a compiled walk of it gave already.
-    Raises ``ValueError`` if it is not one this reads.
+def read_footer(fd: int, status: int | None = None) -> Footer:
+    """The walked footer of the Lance 2.x data file open as ``fd``, walked in Python: one
+    ``pread`` of its last :data:`TAIL` bytes (a second where its metadata starts before
+    them). ``status``: what a compiled walk of it gave (:data:`BAD`: it is not one). Raises
+    ``ValueError`` if it is not one this reads.
     """
-    if run is not None:  # compiled: reads, walks and builds the chunk tables in one call
-        done = _compiled(run, np.empty(TAIL, np.uint8), fd, -1)
-        if done is not None:
-            status, _, found = done
-            if found is not None:
-                return found
     if status == BAD:
         raise ValueError("not a Lance 2.x footer this reads")
-    size = os.fstat(fd).st_size  # else (or larger than the compiled walk's record): in Python
+    size = os.fstat(fd).st_size
     base = max(0, size - TAIL)
     while True:
         tail = os.pread(fd, size - base, base)

@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from slafload import footer
-from slafload.footer import walk
 
 BACKENDS = ("auto", "numba", "numpy")
 _IMPORT = ("import",)  # the compile thread's first job: importing numba
@@ -209,7 +208,7 @@ def prepare_reads(kernels: Kernels) -> None:
     ``backend="numba"``): the read threads use each kernel once it is ready. That is
     :func:`slafload.flat_pages.read_ranges`' ``pread_runs`` and ``decode_chunks``, and for
     opening a file from its footer (:meth:`slafload.flat_pages.FileFormat.open`),
-    ``walk_footer`` (:func:`slafload.footer.walk`).
+    ``walk_many`` (:func:`slafload.footer.walk_many`).
     """
     if not _HAS_PREAD:  # no libc pread here: the reads use os.preadv
         return
@@ -218,7 +217,8 @@ def prepare_reads(kernels: Kernels) -> None:
     kernels.prepare("decode_chunks", b, np.zeros((0, 10), np.int64), z, z, z,
                     np.zeros(0, np.uint64), b, np.zeros(1, np.int64))  # fmt: skip
     # Opening a file from its footer (slafload.flat_pages.FileFormat.open).
-    kernels.prepare("walk_footer", b, -1, z, -1, b, np.zeros(0, np.int32), -1)
+    kernels.prepare("walk_many", np.zeros((0, 1), np.uint8), np.zeros((0, 1), np.int64), b,
+                    np.zeros(0, np.int32), 0)  # fmt: skip
 
 
 def _import_numba() -> Any:
@@ -232,6 +232,7 @@ def _import_numba() -> Any:
         footer._lseek = t.ExternalFunction("lseek", t.int64(t.int32, t.int64, t.int32))
         # open(path, flags) without a mode: the fixed arguments of the variadic open(2)
         footer._open = t.ExternalFunction("open", t.int32(t.voidptr, t.int32))
+        footer.walk_compiled = numba.njit(nogil=True)(footer.walk)  # what walk_many calls
     return _COMPILED.setdefault(_IMPORT, numba)
 
 
@@ -592,5 +593,5 @@ _KERNELS = {
     "quantile_bins": _quantile_bins,
     "pread_runs": _pread_runs,
     "decode_chunks": _decode_chunks,
-    "walk_footer": walk,  # written once for CPython and numba (slafload/footer.py)
+    "walk_many": footer.walk_many,  # calls footer.walk, written for CPython and numba
 }

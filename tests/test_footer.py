@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import os
 
+import lance
 import numpy as np
+import pyarrow as pa
 import pytest
+from conftest import random_counts, write_dense
 from lance.file import LanceFileReader
 from test_miniblock import atlas_like, shapes, write
 
 from slafload import footer
-from slafload.flat_pages import FlatFiles, FlatRange, read_ranges
-from slafload.footer import BAD, FULL, MORE, open_footer, read_footer, walk
+from slafload.data_files import DataFiles
+from slafload.flat_pages import FlatFile, FlatFiles, FlatRange, read_ranges
+from slafload.footer import BAD, FULL, MORE, open_footers, read_footer, walk
 from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
+from slafload.reader import COLUMNS
 
 needs_numba = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
 
@@ -46,11 +51,11 @@ def tail_of(path: str, n: int = footer.TAIL) -> tuple[bytes, int]:
 
 
 def compiled_walk(kernels: Kernels, tail: bytes, size: int, n: int = footer.RECORD) -> list[int]:
+    assert kernels.ready("walk_many")  # and so numba imported, footer.walk compiled
     """The compiled walk of given bytes (``fd`` -1: as the Python walk, no reads, no tables)."""
     rec = np.full(n, 123_456, np.int64)
     data, none = np.frombuffer(tail, np.uint8).copy(), np.zeros(0, np.uint8)
-    assert kernels.run("walk_footer", data, size, rec, -1, none, np.zeros(0, np.int32), -1,
-                       start=False)  # fmt: skip
+    footer.walk_compiled(data, size, rec, -1, none, np.zeros(0, np.int32), -1)
     return rec.tolist()
 
 
@@ -100,13 +105,18 @@ def test_python_and_compiled_walks_agree_on_real_files(tmp_path, numba_kernels):
     with_tables = 0
     write(huge, atlas_like(400_000, rng), "2.0", max_page_bytes=1 << 10)
     for path in [*paths, big, huge]:
-        fd = os.open(path, os.O_RDONLY)
-        try:  # the compiled walk reads the file itself, and builds the chunk tables
-            compiled, python = read_footer(fd, numba_kernels.run), read_footer(fd)
+        ((fd, compiled),) = open_footers([path], numba_kernels.run)  # it opens and reads it
+        try:
+            python = read_footer(fd)
         finally:
             os.close(fd)
         assert python.tables.size == 0
-        assert compiled.rec[:7] == python.rec[:7] and compiled.tail == python.tail, path
+        assert (compiled.version, compiled.num_rows, compiled.schema) == (
+            python.version,
+            python.num_rows,
+            python.schema,
+        ), path
+        assert python.tail.endswith(compiled.tail), path  # it reads fewer bytes first
         assert plain(compiled) == plain(python), path
         built = max(p.tables_at for _, pages in compiled.columns() for p in pages)
         if path == huge or path.endswith("_2.0.lance"):
@@ -214,11 +224,9 @@ def test_chunk_words_that_do_not_add_up_fail_alike(tmp_path, numba_kernels):
     files_ = FlatFiles(kernels=numba_kernels)
     assert files_.open(path, columns) is not None
     form = files_.format
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        page = read_footer(fd, numba_kernels.run).columns()[2][1][0]  # values: mini-block
-    finally:
-        os.close(fd)
+    ((fd, found),) = open_footers([path], numba_kernels.run)
+    os.close(fd)
+    page = found.columns()[2][1][0]  # values: mini-block pages
     assert page.tables_at >= 0
     for kernels in [numba_kernels, NUMPY]:
         flat = form.open(path, columns, kernels)
@@ -237,12 +245,9 @@ def test_chunk_words_that_do_not_add_up_fail_alike(tmp_path, numba_kernels):
         words = data[words_at : words_at + words_size]
         with open(broken, "wb") as f:
             f.write(data[:words_at] + damage(words) + data[words_at + words_size :])
-        fd = os.open(broken, os.O_RDONLY)
-        try:
-            found = read_footer(fd, numba_kernels.run).columns()[2][1][0]
-        finally:
-            os.close(fd)
-        assert found.tables_at == -2, name
+        ((fd, walked),) = open_footers([broken], numba_kernels.run)
+        os.close(fd)
+        assert walked.columns()[2][1][0].tables_at == -2, name
         for kernels in [numba_kernels, NUMPY]:  # the numpy code (miniblock.load) agrees
             assert form.open(broken, columns, kernels) is None, (name, kernels)
 
@@ -263,28 +268,60 @@ def test_kernels_called_with_other_argument_types_run_the_kernel_for_those():
         kernels.close()
 
 
-def test_a_file_opened_by_the_compiled_walk_gives_the_same_footer_and_no_stray_descriptor(
+def test_files_opened_by_the_compiled_walk_give_the_same_footers_and_no_stray_descriptor(
     tmp_path, numba_kernels
 ):
     rng = np.random.default_rng(9)
-    path = str(tmp_path / "a.lance")
-    write(path, atlas_like(20_000, rng), "2.2")
+    paths = [str(tmp_path / f"{i}.lance") for i in range(3)]
+    for i, path in enumerate(paths):
+        write(path, atlas_like(5_000 + 7_000 * i, rng), "2.2")
     junk = tmp_path / "junk.lance"
     junk.write_bytes(bytes(range(256)) * 40)
     open_fds = len(os.listdir("/proc/self/fd"))
-    fd, found = open_footer(path, numba_kernels.run)
-    try:
-        assert fd >= 0 and os.fstat(fd).st_size == os.path.getsize(path)
-        again = read_footer(fd, numba_kernels.run)  # the file already open
-        assert found.rec[:9] == again.rec[:9] and found.rec[10:] == again.rec[10:]
-        assert found.rec[9] == fd and again.rec[9] == -1
-        assert found.tail == again.tail and np.array_equal(found.tables, again.tables)
-        assert plain(found) == plain(read_footer(fd)) and found.tables.size > 0
-    finally:
-        os.close(fd)
-    with pytest.raises(OSError):
-        open_footer(str(tmp_path / "missing.lance"), numba_kernels.run)
-    with pytest.raises(ValueError):
-        open_footer(str(junk), numba_kernels.run)
+    asked = [paths[0], str(tmp_path / "missing.lance"), paths[1], str(junk), paths[2]]
+    opened = open_footers(asked, numba_kernels.run)
+    assert [fd >= 0 for fd, _ in opened] == [True, False, True, False, True]
+    assert isinstance(opened[1][1], OSError) and isinstance(opened[3][1], ValueError)
+    for path, (fd, found) in zip(asked[::2], opened[::2], strict=True):
+        try:
+            assert os.fstat(fd).st_size == os.path.getsize(path) and found.rec[9] == fd
+            python = read_footer(fd)
+            assert found.rec[1:4] == python.rec[1:4] and found.schema == python.schema
+            assert plain(found) == plain(python) and found.tables.size > 0
+            for _, pages in found.columns():  # each file's tables, not the one before's
+                for page in pages:
+                    n = page.sizes[0] // 4 + 1
+                    rows = found.tables[page.tables_at + n : page.tables_at + 2 * n]
+                    assert rows[0] == 0 and rows[-1] == page.rows
+        finally:
+            os.close(fd)
     assert len(os.listdir("/proc/self/fd")) == open_fds
-    assert open_footer(path, NUMPY.run) is None  # no kernel: the caller opens it
+    assert open_footers(paths, NUMPY.run) is None  # no kernel: the caller opens them
+
+
+def test_a_read_window_opens_its_files_together_and_reads_as_lance_reads(tmp_path, numba_kernels):
+    path = write_dense(tmp_path / "a.slaf", random_counts(2_000, 60, seed=11, density=0.3),
+                       max_rows_per_file=700)  # fmt: skip
+    expression = lance.dataset(str(path / "expression.lance"))
+    flat = DataFiles.of(expression, COLUMNS, kernels=numba_kernels, mini=True, threads=2)
+    lance_read = DataFiles.of(expression, COLUMNS, flat=False)
+    assert flat is not None and lance_read is not None and flat.n_files > 40
+    batches: list[int] = []
+    real = FlatFiles.open_many
+
+    def spy(self, paths, columns):
+        got = real(self, paths, columns)
+        batches.append(sum(f is not None for f in got))
+        return got
+
+    rng = np.random.default_rng(12)
+    starts = np.sort(rng.choice(expression.count_rows() - 50, 120, replace=False))
+    rows = np.stack([starts, starts + rng.integers(1, 50, len(starts))], axis=1)
+    rows = rows[np.r_[True, rows[1:, 0] >= rows[:-1, 1]]]  # not overlapping
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FlatFiles, "open_many", spy)
+        got = [pa.Table.from_batches(list(x)) for x in flat.read(rows, COLUMNS)]
+    want = [pa.Table.from_batches(list(x)) for x in lance_read.read(rows, COLUMNS)]
+    assert all(a.equals(b) for a, b in zip(got, want, strict=True))
+    assert max(batches) >= 10  # files opened together, by one kernel call
+    assert all(isinstance(e.reader, FlatFile) for e in flat._open.values())
