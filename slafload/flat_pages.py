@@ -678,12 +678,14 @@ def read_ranges(
                 out += n * width
     # Fresh arrays come from buffers.fresh: no huge-page compaction stalls.
     buffer = fresh(total, np.uint8) if pool is None else pool.take(total)
-    direct.read(buffer, kernels)
-    if jobs:
-        scratch = fresh(packed.total, np.uint8) if pool is None else pool.take(packed.total)
-        packed.read(scratch, kernels)
-        _decode(scratch, buffer, jobs, chunk_at, chunk_rows, kernels)
-        del scratch  # back to the pool
+    scratch = fresh(packed.total, np.uint8) if pool is None else pool.take(packed.total)
+    decode = _Decode(jobs, chunk_at, chunk_rows)
+    if not _read_decode(direct, buffer, packed, scratch, decode, kernels):
+        direct.read(buffer, kernels)
+        if jobs:
+            packed.read(scratch, kernels)
+            decode.run(scratch, buffer, kernels)
+    del scratch  # back to the pool
     arrays = [pa.array(buffer[a : a + n_rows * dtype.itemsize].view(dtype))
               for dtype, a in zip(dtypes, col_at, strict=True)]  # fmt: skip
     whole = pa.Table.from_arrays(arrays, schema=head.schema)
@@ -707,14 +709,19 @@ class _Runs:
         self.where.append(at)
         self.total = max(self.total, at + size)
 
+    def table(self) -> np.ndarray:
+        """``int64[4, runs]``: the descriptors, offsets, sizes and buffer offsets."""
+        return np.array([self.fds, self.offsets, self.sizes, self.where], dtype=np.int64).reshape(
+            4, -1
+        )
+
     def read(self, buffer: np.ndarray, kernels: Kernels) -> None:
         """Read every run, by the ``pread_runs`` kernel where it is compiled; what it could
         not read, by ``preadv`` (which raises the ``OSError``).
         """
         if not self.fds:
             return
-        args = [np.asarray(x, dtype=np.int64) for x in (self.fds, self.offsets, self.sizes,
-                                                        self.where)]  # fmt: skip
+        args = list(self.table())
         failed = np.full(1, -1, dtype=np.int64)  # the kernel's first unread run, if any
         if kernels.run("pread_runs", *args, buffer, failed, start=False):
             if failed[0] >= 0:  # read again in Python, which raises the OSError
@@ -727,27 +734,53 @@ class _Runs:
                 _pread_into(fd, view[at : at + size], offset)
 
 
-def _decode(scratch: np.ndarray, buffer: np.ndarray, jobs: list[int],
-            chunk_at: list[np.ndarray], chunk_rows: list[np.ndarray], kernels: Kernels) -> None:  # fmt: skip
-    """Decode the mini-block ``jobs`` (:data:`miniblock.JOB_FIELDS` ints each) from ``scratch``
-    into ``buffer``: by the ``decode_chunks`` kernel where it is compiled, else by
-    :func:`miniblock.decode_chunks`. ``chunk_at`` and ``chunk_rows`` hold each job's slices of
-    its page's chunk tables, in job order (a job's last field is where its slices start).
+class _Decode:
+    """The mini-block ``jobs`` of a read (:data:`miniblock.JOB_FIELDS` ints each) as the
+    decode kernels take them: ``chunk_at`` and ``chunk_rows`` hold each job's slices of its
+    page's chunk tables, in job order (a job's last field is where its slices start).
     """
-    table = np.asarray(jobs, dtype=np.int64).reshape(-1, miniblock.JOB_FIELDS)
-    z = np.zeros(1, np.int64)
-    at = np.concatenate(chunk_at, dtype=np.int64) if chunk_at else z
-    rows = np.concatenate(chunk_rows, dtype=np.int64) if chunk_rows else z
-    tmp = np.empty(1024, dtype=np.uint64)  # a bit-packed chunk's values
-    failed = np.full(1, -1, dtype=np.int64)
-    args = (scratch[: len(scratch) // 8 * 8], table, at, rows, miniblock.FL_ORDER, tmp)
-    if kernels.run("decode_chunks", *args, buffer[: len(buffer) // 8 * 8], failed, start=False):
-        if failed[0] >= 0:
-            raise ValueError(
-                f"a mini-block chunk is not what its page's encoding says ({failed[0]})"
-            )
-        return
-    miniblock.decode_chunks(scratch, table, at, rows, buffer)
+
+    def __init__(self, jobs: list[int], chunk_at: list[np.ndarray], chunk_rows: list[np.ndarray]):
+        z = np.zeros(1, np.int64)
+        self.table = np.asarray(jobs, dtype=np.int64).reshape(-1, miniblock.JOB_FIELDS)
+        self.at = np.concatenate(chunk_at, dtype=np.int64) if chunk_at else z
+        self.rows = np.concatenate(chunk_rows, dtype=np.int64) if chunk_rows else z
+        self.tmp = np.empty(1024, dtype=np.uint64)  # a bit-packed chunk's values
+
+    def run(self, scratch: np.ndarray, buffer: np.ndarray, kernels: Kernels) -> None:
+        """Decode the jobs from ``scratch`` into ``buffer``: by the ``decode_chunks`` kernel
+        where it is compiled, else by :func:`miniblock.decode_chunks`.
+        """
+        failed = np.full(1, -1, dtype=np.int64)
+        args = (scratch[: len(scratch) // 8 * 8], self.table, self.at, self.rows,
+                miniblock.FL_ORDER, self.tmp)  # fmt: skip
+        if kernels.run("decode_chunks", *args, buffer[: len(buffer) // 8 * 8], failed, start=False):
+            _decoded(failed[0])
+            return
+        miniblock.decode_chunks(scratch, self.table, self.at, self.rows, buffer)
+
+
+def _decoded(failed: int) -> None:
+    if failed >= 0:
+        raise ValueError(f"a mini-block chunk is not what its page's encoding says ({failed})")
+
+
+def _read_decode(direct: _Runs, buffer: np.ndarray, packed: _Runs, scratch: np.ndarray,
+                 decode: _Decode, kernels: Kernels) -> bool:  # fmt: skip
+    """A window's reads and decode by one call of the ``read_decode`` kernel (one release of
+    the GIL instead of three); whether it ran and every read was whole (else the caller
+    reads again, one step at a time, and raises the ``OSError``).
+    """
+    failed = np.full(3, -1, dtype=np.int64)
+    if not kernels.run("read_decode", direct.table(), buffer[: len(buffer) // 8 * 8],
+                       packed.table(), scratch[: len(scratch) // 8 * 8], decode.table,
+                       decode.at, decode.rows, miniblock.FL_ORDER, decode.tmp, failed,
+                       start=False):  # fmt: skip
+        return False
+    if failed[0] >= 0 or failed[1] >= 0:
+        return False
+    _decoded(failed[2])
+    return True
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:

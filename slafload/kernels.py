@@ -216,13 +216,16 @@ def prepare_reads(kernels: Kernels) -> None:
     kernels.prepare("pread_runs", z, z, z, z, b, np.zeros(1, np.int64))
     kernels.prepare("decode_chunks", b, np.zeros((0, 10), np.int64), z, z, z,
                     np.zeros(0, np.uint64), b, np.zeros(1, np.int64))  # fmt: skip
+    runs = np.zeros((4, 0), np.int64)
+    kernels.prepare("read_decode", runs, b, runs, b, np.zeros((0, 10), np.int64), z, z, z,
+                    np.zeros(0, np.uint64), np.zeros(3, np.int64))  # fmt: skip
     # Opening a file from its footer (slafload.flat_pages.FileFormat.open).
     kernels.prepare("walk_many", np.zeros((0, 1), np.uint8), np.zeros((0, 1), np.int64), b,
                     np.zeros(0, np.int32), 0)  # fmt: skip
 
 
 def _import_numba() -> Any:
-    global _pread
+    global _pread, _pread_runs_compiled, _decode_chunks_compiled
     import numba
 
     if _HAS_PREAD and _pread is None:
@@ -233,6 +236,8 @@ def _import_numba() -> Any:
         # open(path, flags) without a mode: the fixed arguments of the variadic open(2)
         footer._open = t.ExternalFunction("open", t.int32(t.voidptr, t.int32))
         footer.walk_compiled = numba.njit(nogil=True)(footer.walk)  # what walk_many calls
+        _pread_runs_compiled = numba.njit(nogil=True)(_pread_runs)
+        _decode_chunks_compiled = numba.njit(nogil=True)(_decode_chunks)
     return _COMPILED.setdefault(_IMPORT, numba)
 
 
@@ -586,6 +591,33 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
             c += 1
 
 
+def _read_decode(direct: np.ndarray, buffer: np.ndarray, packed: np.ndarray,
+                 scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
+                 chunk_rows: np.ndarray, order: np.ndarray, tmp: np.ndarray,
+                 failed: np.ndarray) -> None:  # fmt: skip
+    """A read window's whole read in one call: :func:`_pread_runs` of the ``direct`` runs
+    (``int64[4, n]``: descriptors, offsets, sizes, where) into ``buffer``, of the ``packed``
+    runs into ``scratch``, then :func:`_decode_chunks` of ``jobs`` from ``scratch`` into
+    ``buffer`` (each call of a kernel returns to Python, which takes the GIL back after the
+    other threads' turns). ``failed``: the first direct run, packed run and job that failed,
+    each -1 if none; no step runs after one fails.
+    """
+    failed[1], failed[2] = -1, -1
+    _pread_runs_compiled(direct[0], direct[1], direct[2], direct[3], buffer, failed[0:1])
+    if failed[0] >= 0:
+        return
+    _pread_runs_compiled(packed[0], packed[1], packed[2], packed[3], scratch, failed[1:2])
+    if failed[1] >= 0 or len(jobs) == 0:
+        return
+    _decode_chunks_compiled(scratch, jobs, chunk_at, chunk_rows, order, tmp, buffer, failed[2:3])
+
+
+_pread_runs_compiled: Any = None
+_decode_chunks_compiled: Any = None
+""":func:`_pread_runs` and :func:`_decode_chunks` compiled (by :func:`_import_numba`): what
+:func:`_read_decode` calls."""
+
+
 _KERNELS = {
     "copy_runs_1": _copy_runs_1,
     "copy_runs_2": _copy_runs_2,
@@ -593,5 +625,6 @@ _KERNELS = {
     "quantile_bins": _quantile_bins,
     "pread_runs": _pread_runs,
     "decode_chunks": _decode_chunks,
+    "read_decode": _read_decode,
     "walk_many": footer.walk_many,  # calls footer.walk, written for CPython and numba
 }

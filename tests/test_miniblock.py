@@ -315,11 +315,39 @@ def test_both_decoders_agree_on_run_length_chunks_good_and_bad(kernels, lengths,
     count = 5
     job = [miniblock.RLE, 2, 16, 4, 0, 0, 1, 3, 0, 0]  # rows 1..3 of the chunk
     out = np.zeros(8, np.uint8)
-    args = (job, [np.array([0, len(chunk)])], [np.array([0, count])], kernels)
+    decode = flat_pages._Decode(job, [np.array([0, len(chunk)])], [np.array([0, count])])
     if not ok:
         with pytest.raises(ValueError, match="chunk"):
-            flat_pages._decode(chunk, out, *args)
+            decode.run(chunk, out, kernels)
         return
-    flat_pages._decode(chunk, out, *args)
+    decode.run(chunk, out, kernels)
     expected = np.repeat(np.arange(7, 7 + len(lengths)), lengths)[1:4]
     np.testing.assert_array_equal(out[:6].view("<u2"), expected)
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed")
+def test_a_window_is_read_and_decoded_by_one_kernel_call(tmp_path, monkeypatch):
+    rng = np.random.default_rng(31)
+    path = tmp_path / "a.lance"
+    table = write(path, atlas_like(60_000, rng), "2.2")
+    flat = FlatFile.open(str(path), table.column_names)
+    assert flat is not None
+    kernels = Kernels("numba")
+    prepare_reads(kernels)
+    ran: list[str] = []
+    real = Kernels.run
+
+    def spy(self, name, *args, **kw):
+        done = real(self, name, *args, **kw)
+        ran.append(name if done else f"not {name}")
+        return done
+
+    monkeypatch.setattr(Kernels, "run", spy)
+    try:
+        ranges = [FlatRange(flat, int(a), 3_000) for a in rng.integers(0, 57_000, 30)]
+        for (_, a, m), got in zip(ranges, read_ranges(ranges, kernels), strict=True):
+            assert got.equals(table.slice(a, m))
+        assert ran == ["read_decode"]  # not pread_runs twice, then decode_chunks
+    finally:
+        kernels.close()
+        flat.close()
