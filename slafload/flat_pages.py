@@ -384,7 +384,7 @@ class FileFormat:
             return None
         try:
             found: Footer | Exception = read_footer(fd)
-        except ValueError as exc:
+        except Exception as exc:  # an I/O error too: opened as the first file was
             found = exc
         return self._opened(path, columns, fd, found)
 
@@ -398,8 +398,16 @@ class FileFormat:
         opened = open_footers(paths, kernels.run) if kernels.backend == "numba" else None
         if opened is None:
             return None
-        return [self._opened(path, columns, fd, found)
-                for path, (fd, found) in zip(paths, opened, strict=True)]  # fmt: skip
+        out: list[FlatFile | None] = []
+        try:
+            for path, (fd, found) in zip(paths, opened, strict=True):
+                out.append(self._opened(path, columns, fd, found))
+        except BaseException:  # the descriptors not handed on yet are closed
+            for fd, _ in opened[len(out) + 1 :]:
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        return out
 
     def _opened(
         self, path: str, columns: Sequence[str], fd: int, found: Footer | Exception
@@ -678,7 +686,10 @@ def read_ranges(
                 out += n * width
     # Fresh arrays come from buffers.fresh: no huge-page compaction stalls.
     buffer = fresh(total, np.uint8) if pool is None else pool.take(total)
-    scratch = fresh(packed.total, np.uint8) if pool is None else pool.take(packed.total)
+    scratch = (
+        np.zeros(0, np.uint8) if not jobs
+        else fresh(packed.total, np.uint8) if pool is None else pool.take(packed.total)
+    )  # fmt: skip
     decode = _Decode(jobs, chunk_at, chunk_rows)
     if not _read_decode(direct, buffer, packed, scratch, decode, kernels):
         direct.read(buffer, kernels)

@@ -57,11 +57,26 @@ page has none, or not one ``num_items`` equal to its rows) and that ``num_items`
 where its chunk tables start in the tables the compiled walk built (-1: not built, -2: its
 chunk words do not add up to its rows and bytes)."""
 
-# libc's open, lseek and pread, as numba calls them: set by slafload.kernels when it imports
-# numba (the compiled walk opens and reads the file itself; the Python walk is given its bytes).
+# libc's open, lseek and pread, as numba calls them (bind): the compiled walk opens and reads
+# the file itself; the Python walk is given its bytes.
 _open: Any = None
 _lseek: Any = None
 _pread: Any = None
+
+
+def bind(numba: Any) -> None:
+    """Declare the libc functions the compiled walk calls, and compile :func:`walk` for
+    :func:`walk_many` to call (by :mod:`slafload.kernels`, once it has imported numba). They
+    are declared here, beside the code that calls them, because numba's on-disk cache of
+    :func:`walk_many` is keyed on this file.
+    """
+    global _open, _lseek, _pread, walk_compiled
+    t = numba.types
+    _pread = t.ExternalFunction("pread", t.intp(t.int32, t.voidptr, t.uintp, t.int64))
+    _lseek = t.ExternalFunction("lseek", t.int64(t.int32, t.int64, t.int32))
+    # open(path, flags) without a mode: the fixed arguments of the variadic open(2)
+    _open = t.ExternalFunction("open", t.int32(t.voidptr, t.int32))
+    walk_compiled = numba.njit(nogil=True)(walk)
 
 
 def walk(
@@ -229,7 +244,7 @@ def walk(
     if first < base:
         rec[0], rec[1] = MORE, first
         return
-    if global_at + global_size > size:
+    if global_size > size - global_at:  # (a sum could wrap, compiled)
         return
     # The FileDescriptor: the schema (bytes) and the rows (an int).
     i, end = global_at - base, global_at - base + global_size
@@ -253,7 +268,7 @@ def walk(
     k = HEADER + n_columns  # the next free entry
     for c in range(n_columns):
         col_at, col_n = le(cmo_at - base + 16 * c, 8), le(cmo_at - base + 16 * c + 8, 8)
-        if col_at < base or col_n < 0 or col_at + col_n > size:
+        if col_at < base or col_n < 0 or col_n > size - col_at:
             return
         if k + 3 > len(rec):
             rec[0] = FULL
@@ -491,21 +506,27 @@ def open_footers(paths: Sequence[str], run: Any) -> list[tuple[int, Footer | Exc
         return None
     out: list[tuple[int, Footer | Exception]] = []
     at = 0
-    for path, buffer, rec in zip(paths, buffers, recs, strict=True):
-        status, fd = int(rec[0]), int(rec[9])
-        if fd < 0:
-            out.append((-1, OSError(f"cannot open {path}")))
-        elif status > 0:
-            got = rec[:status].tolist()
-            tail, used = buffer[: got[8]].tobytes(), got[7]
-            out.append((fd, Footer(got, tail, tables[at : at + used].copy())))
-            at += used
-        else:  # more metadata than the first read, or a record too small: in Python
-            try:
-                out.append((fd, read_footer(fd, status)))
-            except ValueError as exc:
+    try:
+        for path, buffer, rec in zip(paths, buffers, recs, strict=True):
+            status, fd = int(rec[0]), int(rec[9])
+            if fd < 0:
+                out.append((-1, OSError(f"cannot open {path}")))
+            elif status > 0:
+                got = rec[:status].tolist()
+                tail, used = buffer[: got[8]].tobytes(), got[7]
+                out.append((fd, Footer(got, tail, tables[at : at + used].copy())))
+                at += used
+            else:  # more metadata than the first read, or a record too small: in Python
+                try:
+                    out.append((fd, read_footer(fd, status)))
+                except Exception as exc:  # an I/O error too: Lance's open reports it
+                    os.close(fd)
+                    out.append((-1, exc))
+    except BaseException:  # every descriptor the kernel opened is closed
+        for fd in recs[:, 9].tolist():
+            if fd >= 0:
                 os.close(fd)
-                out.append((-1, exc))
+        raise
     return out
 
 
@@ -528,8 +549,8 @@ def read_footer(fd: int, status: int | None = None) -> Footer:
         if rec[0] == MORE and base > rec[1]:
             base = rec[1]
             continue
-        if rec[0] == FULL:  # each entry takes a byte of metadata or more
-            rec = [0] * (2 * len(tail) + HEADER + PAGE)
+        if rec[0] == FULL:  # at most 6 entries a byte of metadata
+            rec = [0] * (6 * len(tail) + HEADER + PAGE)  # an empty page: 2 bytes, 12 entries
             walk(tail, size, rec)
         if rec[0] <= 0:
             raise ValueError("not a Lance 2.x footer this reads")

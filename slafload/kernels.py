@@ -231,11 +231,7 @@ def _import_numba() -> Any:
     if _HAS_PREAD and _pread is None:
         t = numba.types
         _pread = t.ExternalFunction("pread", t.intp(t.int32, t.voidptr, t.uintp, t.int64))
-        footer._pread = _pread  # the compiled footer walk reads the file itself
-        footer._lseek = t.ExternalFunction("lseek", t.int64(t.int32, t.int64, t.int32))
-        # open(path, flags) without a mode: the fixed arguments of the variadic open(2)
-        footer._open = t.ExternalFunction("open", t.int32(t.voidptr, t.int32))
-        footer.walk_compiled = numba.njit(nogil=True)(footer.walk)  # what walk_many calls
+        footer.bind(numba)  # the compiled footer walk opens and reads files itself
         _pread_runs_compiled = numba.njit(nogil=True)(_pread_runs)
         _decode_chunks_compiled = numba.njit(nogil=True)(_decode_chunks)
     return _COMPILED.setdefault(_IMPORT, numba)

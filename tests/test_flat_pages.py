@@ -213,8 +213,8 @@ def test_a_footer_that_lists_other_pages_than_lance_teaches_no_format(tmp_path, 
         write_file(path, 2_000, max_page_bytes=4 << 10)
     real = flat_pages.read_footer
 
-    def shifted(fd, run=None):  # misreads where each page starts
-        footer = real(fd, run)
+    def shifted(fd, status=None):  # misreads where each page starts
+        footer = real(fd, status)
         rec = list(footer.rec)
         for index in range(footer.n_columns):
             _, n, k = footer.column(index)

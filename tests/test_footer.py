@@ -51,8 +51,8 @@ def tail_of(path: str, n: int = footer.TAIL) -> tuple[bytes, int]:
 
 
 def compiled_walk(kernels: Kernels, tail: bytes, size: int, n: int = footer.RECORD) -> list[int]:
-    assert kernels.ready("walk_many")  # and so numba imported, footer.walk compiled
     """The compiled walk of given bytes (``fd`` -1: as the Python walk, no reads, no tables)."""
+    assert kernels.ready("walk_many")  # and so numba imported, footer.walk compiled
     rec = np.full(n, 123_456, np.int64)
     data, none = np.frombuffer(tail, np.uint8).copy(), np.zeros(0, np.uint8)
     footer.walk_compiled(data, size, rec, -1, none, np.zeros(0, np.int32), -1)
@@ -325,3 +325,20 @@ def test_a_read_window_opens_its_files_together_and_reads_as_lance_reads(tmp_pat
     assert all(a.equals(b) for a, b in zip(got, want, strict=True))
     assert max(batches) >= 10  # files opened together, by one kernel call
     assert all(isinstance(e.reader, FlatFile) for e in flat._open.values())
+
+
+def test_sizes_that_would_wrap_a_sum_are_rejected_alike(tmp_path, numba_kernels):
+    rng = np.random.default_rng(13)
+    path = str(tmp_path / "a.lance")
+    write(path, atlas_like(200_000, rng), "2.2")
+    tail, size = tail_of(path, 4096)
+    base = size - len(tail)
+    cmo_at, gbo_at = (int.from_bytes(tail[-40 + i : -32 + i], "little") for i in (8, 16))
+    huge = (2**63 - 1).to_bytes(8, "little")
+    for name, at in [("global buffer", gbo_at), ("column", cmo_at)]:
+        data = bytearray(tail)
+        i = at - base  # the (position, size) pair: at the first bytes read, 2**63 - 1 of them
+        data[i : i + 16] = (base + 8).to_bytes(8, "little") + huge
+        data[8:11] = b"\x0a\x88\x27"  # there, a field of 5,000 bytes: past the bytes read
+        assert python_walk(bytes(data), size)[0] == BAD, name
+        assert compiled_walk(numba_kernels, bytes(data), size)[0] == BAD, name
