@@ -329,7 +329,9 @@ def walk(
                 for f in range(4, PAGE):
                     rec[page + f] = 0
                 rec[page + 6], rec[page + 11] = -1, -1
-                a, n = last(rec[page + 1], rec[page + 1] + rec[page + 2], 2)
+                a, n = -1, 0  # 2.0 (0.3 in the footer) has no mini-block pages
+                if rec[1] >= 2:
+                    a, n = last(rec[page + 1], rec[page + 1] + rec[page + 2], 2)
                 if a >= 0:
                     a, n = last(a, a + n, 1)
                 url_at, url_n = (-1, 0) if a < 0 else last(a, a + n, 1)
@@ -544,7 +546,7 @@ def read_footer(fd: int, status: int | None = None) -> Footer:
         tail = os.pread(fd, size - base, base)
         if len(tail) != size - base:
             raise ValueError("file changed while its footer was read")
-        rec = [0] * RECORD  # a list: Python sets its items faster than an array's
+        rec = [0] * 512  # a list: Python sets its items faster than an array's (FULL: more)
         walk(tail, size, rec)
         if rec[0] == MORE and base > rec[1]:
             base = rec[1]
