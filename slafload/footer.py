@@ -5,17 +5,19 @@ metadata, the column metadata offset table and the global buffer offset table st
 global buffers and columns, the format's ``(major, minor)``, then ``b"LANC"``. Global buffer 0
 is the ``FileDescriptor{schema=1, length=2}``; each column's metadata is a
 ``ColumnMetadata{encoding=1, pages=2}``, each page a ``Page{buffer_offsets=1, buffer_sizes=2,
-length=3, encoding=4}`` (``file2.proto``). On the 5M-cell atlas that is ~1.1 KB per file,
-read by one ``pread`` of the file's last 16 KB.
+length=3, encoding=4}`` (``file2.proto``). On the 5M-cell atlas that is ~1.1 KB per file.
 
-:func:`walk` is written once for two runtimes. CPython runs it over the ``bytes`` read; where
-numba is installed, :mod:`slafload.kernels` compiles it (``walk_footer``) and runs it over the
-same bytes as a ``uint8`` array, without the GIL: a block sampler on a large atlas opens
-thousands of data files in an epoch's first seconds, each from its footer
-(:meth:`slafload.flat_pages.FileFormat.open`), and walking it in Python was ~55 us of the
-~130 us an open held the GIL for. Either way the walk fills one ``int64`` record
-(:class:`Footer` reads it), every value checked against the bytes' bounds: a file this does
-not read gives :data:`BAD`, never an out-of-bounds read.
+:func:`walk` is written once for two runtimes. CPython runs it over the ``bytes`` read
+(:func:`read_footer`: the file's last 16 KB, more if its metadata starts before them). Where
+numba is installed, :mod:`slafload.kernels` compiles it and :func:`walk_many` runs it for
+every file of a read window in one call without the GIL (:func:`open_footers`): it opens each
+file, reads its last 4 KB (a file with more metadata is walked again in Python), walks them
+and builds each mini-block page's chunk tables. A block sampler on a large atlas opens
+thousands of data files in an epoch's first seconds, and each time a read thread took the GIL
+back (about five times per open before round 16) it waited for the other threads' turns.
+Either way the walk fills one ``int64`` record (:class:`Footer` reads it), every value checked
+against the bytes' bounds: a file this does not read gives :data:`BAD`, never an
+out-of-bounds read.
 """
 
 from __future__ import annotations
