@@ -93,7 +93,7 @@ class _Column(NamedTuple):
 
     dtype: np.dtype
     rows: tuple[int, ...]  # the row of each page's first value; then the column's rows
-    positions: tuple[int, ...]  # 2.0: file offset of each page's values
+    positions: tuple[int, ...]  # 2.0: file offset of each page's values (2.1+: none)
     mini: tuple[miniblock.MiniPage, ...] | None = None  # 2.1+: each page's chunks
 
     def pieces(self, start: int, rows: int) -> list[tuple[int, int, int]]:
@@ -486,7 +486,7 @@ class FileFormat:
         done = 0
         for dtype, first in mini_columns:
             n = len(first) - 1
-            picked.append(_Column(dtype, first, (0,) * n, tuple(mini[done : done + n])))
+            picked.append(_Column(dtype, first, (), tuple(mini[done : done + n])))
             done += n
         return picked
 
@@ -607,9 +607,7 @@ def _mini_column(
         if decoded is None:
             return None
         mini.append(decoded)
-    return _Column(
-        dtype, tuple(itertools.accumulate(rows, initial=0)), (0,) * len(mini), tuple(mini)
-    )
+    return _Column(dtype, tuple(itertools.accumulate(rows, initial=0)), (), tuple(mini))
 
 
 class FlatRange(NamedTuple):
@@ -723,9 +721,8 @@ class _Runs:
 
     def table(self) -> np.ndarray:
         """``int64[4, runs]``: the descriptors, offsets, sizes and buffer offsets."""
-        return np.array([self.fds, self.offsets, self.sizes, self.where], dtype=np.int64).reshape(
-            4, -1
-        )
+        runs = [self.fds, self.offsets, self.sizes, self.where]
+        return np.array(runs, dtype=np.int64).reshape(4, -1)
 
     def read(self, buffer: np.ndarray, kernels: Kernels) -> None:
         """Read every run, by the ``pread_runs`` kernel where it is compiled; what it could

@@ -31,7 +31,7 @@ import numpy as np
 FOOTER_SIZE = 40  # <QQQIIHH4s
 TAIL = 16 << 10  # bytes read from a file's end to find its metadata (more only if it is larger)
 MAX_METADATA = 64 << 20  # more than this is not a file this reads (Lance's reader opens it)
-RECORD = 4096  # int64s in a walk's record: a file whose metadata needs more is walked in Python
+RECORD = 512  # entries of the Python walk's first record (FULL: walked again with more)
 # The compiled walk, per file: the bytes it reads from the end (a file whose metadata starts
 # before them is walked again in Python), its record, the most bytes of chunk words of a page
 # whose tables it builds, and the int32s of chunk tables it builds (the rest: in numpy).
@@ -548,7 +548,7 @@ def read_footer(fd: int, status: int | None = None) -> Footer:
         tail = os.pread(fd, size - base, base)
         if len(tail) != size - base:
             raise ValueError("file changed while its footer was read")
-        rec = [0] * 512  # a list: Python sets its items faster than an array's (FULL: more)
+        rec = [0] * RECORD  # a list: Python sets its items faster than an array's
         walk(tail, size, rec)
         if rec[0] == MORE and base > rec[1]:
             base = rec[1]
