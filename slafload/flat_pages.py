@@ -509,9 +509,9 @@ def _load_pages(
             if page is None:
                 return None
         else:
-            n = buffers[0][1] // (4 if layout.large else 2) + 1  # chunks + 1 each
-            page = miniblock.mini_page(layout, rows, buffers[1][0], tables[at : at + n],
-                                       tables[at + n : at + 2 * n])  # fmt: skip
+            n = buffers[0][1] // (4 if layout.large else 2) + 1  # chunks + 1 offsets
+            page = miniblock.mini_page(layout, rows, buffers[1][0], tables[at + 1 : at + 1 + n],
+                                       None, int(tables[at]))  # fmt: skip
         out.append(page)
     return out
 
@@ -654,7 +654,7 @@ def read_ranges(
     jobs: list[int] = []  # miniblock.JOB_FIELDS ints per decode job
     chunk_at: list[np.ndarray] = []
     chunk_rows: list[np.ndarray] = []
-    n_chunks = 0
+    n_chunks = n_rows_of = 0
     for (file, start, rows), first in zip(ranges, row_at, strict=False):
         columns = file._columns
         if [c.dtype for c in columns] != dtypes:
@@ -667,18 +667,28 @@ def read_ranges(
                 if mini is None:
                     direct.add(file.fd, column.positions[page] + at * width, n * width, out)
                 elif mini.kind == miniblock.CONSTANT:
-                    jobs += (mini.kind, width, 0, 0, 0, out, 0, n, mini.constant, 0)
+                    jobs += (mini.kind, width, 0, 0, 0, out, 0, n, mini.constant, 0, -1, 0, 0)
                 else:
-                    rows_of, at_of = mini.chunk_rows, mini.chunk_at
-                    assert rows_of is not None and at_of is not None
-                    c0 = bisect.bisect_right(rows_of, at) - 1  # bisect: a numpy call costs more
-                    c1 = max(bisect.bisect_left(rows_of, at + n, c0), c0 + 1)
+                    rows_of, at_of, log = mini.chunk_rows, mini.chunk_at, mini.log
+                    assert at_of is not None
+                    if log:  # alike chunks: which ones, by shifts
+                        last = len(at_of) - 2
+                        c0 = min(at >> log, last)
+                        c1 = max(min(((at + n - 1) >> log) + 1, last + 1), c0 + 1)
+                        first_row, r0 = c0 << log, -1
+                    else:
+                        assert rows_of is not None
+                        c0 = bisect.bisect_right(rows_of, at) - 1  # a numpy call costs more
+                        c1 = max(bisect.bisect_left(rows_of, at + n, c0), c0 + 1)
+                        first_row, r0 = int(rows_of[c0]), n_rows_of
+                        chunk_rows.append(rows_of[c0 : c1 + 1])
+                        n_rows_of += c1 + 1 - c0
                     offset = int(at_of[c0])
                     size = int(at_of[c1]) - offset
                     jobs += (mini.kind, width, mini.header, mini.size_bytes, packed.total, out,
-                             at - int(rows_of[c0]), n, 0, n_chunks)  # fmt: skip
+                             at - first_row, n, 0, n_chunks, r0, log,
+                             mini.rows - first_row)  # fmt: skip
                     chunk_at.append(at_of[c0 : c1 + 1])
-                    chunk_rows.append(rows_of[c0 : c1 + 1])
                     n_chunks += c1 + 1 - c0
                     packed.add(file.fd, mini.data_at + offset, size, packed.total)
                     packed.total = -(-packed.total // 8) * 8
@@ -746,7 +756,8 @@ class _Runs:
 class _Decode:
     """The mini-block ``jobs`` of a read (:data:`miniblock.JOB_FIELDS` ints each) as the
     decode kernels take them: ``chunk_at`` and ``chunk_rows`` hold each job's slices of its
-    page's chunk tables, in job order (a job's last field is where its slices start).
+    page's chunk tables, in job order (fields 9 and 10 of a job say where its slices start;
+    a page whose chunks are alike has no ``chunk_rows``).
     """
 
     def __init__(self, jobs: list[int], chunk_at: list[np.ndarray], chunk_rows: list[np.ndarray]):

@@ -34,11 +34,12 @@ MAX_METADATA = 64 << 20  # more than this is not a file this reads (Lance's read
 RECORD = 512  # entries of the Python walk's first record (FULL: walked again with more)
 # The compiled walk, per file: the bytes it reads from the end (a file whose metadata starts
 # before them is walked again in Python), its record, the most bytes of chunk words of a page
-# whose tables it builds, and the int32s of chunk tables it builds (the rest: in numpy).
+# whose tables it builds, and the int32s of chunk tables it builds per file of a call (shared
+# by the call's files; pages past them are built in numpy).
 FIRST_READ = 4 << 10
 RECORD_COMPILED = 1024
 WORDS = 16 << 10
-TABLES = 1 << 14
+TABLES = 1 << 13
 
 # rec[0] after a walk: the entries used (> 0), or one of these.
 BAD = 0  # not a Lance 2.x footer this reads
@@ -96,8 +97,8 @@ def walk(
 
     Compiled, it is given the file open as ``fd`` instead (and ``size`` -1): it reads the
     file's size and last bytes into ``tail`` itself, then, for each mini-block page, its
-    chunk words into ``words`` and its chunk tables (:func:`slafload.miniblock.load`'s,
-    ``chunks + 1`` offsets then ``chunks + 1`` first rows) into ``tables``: one call, the GIL
+    chunk words into ``words`` and its chunk table (the log2 of its chunks' rows, then its
+    ``chunks + 1`` offsets: :class:`slafload.miniblock.MiniPage`) into ``tables``: one call, the GIL
     released throughout, where Python would take it back after every read. With ``flags``
     (>= 0) it opens the file too: the path, NUL-terminated, at the start of ``tail``, opened
     with those ``open`` flags; the descriptor is then ``rec[9]`` (-1: it could not be opened),
@@ -187,18 +188,21 @@ def walk(
             i = nxt
         return at, n
 
-    def tables_of(at: int, size: int, data_size: int, rows: int, width: int, out: int) -> bool:
-        """Read a page's ``size`` bytes of chunk words at ``at`` and write its tables to
-        ``tables[out:]``; whether they were read and add up to its rows and bytes.
+    def tables_of(at: int, size: int, data_size: int, rows: int, width: int, out: int) -> int:
+        """Read a page's ``size`` bytes of chunk words at ``at`` and write its table to
+        ``tables[out:]``: the log2 of the rows of every chunk but the last, then its chunk
+        offsets (:class:`slafload.miniblock.MiniPage`). 1: written; 0: the words do not add
+        up to its rows and bytes; -1: they do, but its chunks are not all alike (for
+        :func:`slafload.miniblock.load`, which keeps each chunk's first row).
         """
         got = 0
         while got < size:
             r = _pread(np.int32(fd), words.ctypes.data + got, size - got, at + got)
             if r <= 0:
-                return False
+                return 0
             got += r
         chunks = size // width
-        before, blocks, log = 0, 0, 0  # rows before the last chunk, its 8-byte blocks
+        before, blocks, log, first_log, alike = 0, 0, 0, 0, True
         for c in range(chunks):
             word = int(words[width * c]) | int(words[width * c + 1]) << 8
             if width == 4:
@@ -206,24 +210,31 @@ def walk(
             log = word & 0xF
             if c < chunks - 1:
                 if log == 0:  # only the last chunk may hold "the rest"
-                    return False
+                    return 0
+                if c == 0:
+                    first_log = log
+                alike = alike and log == first_log
                 before += 1 << log
             blocks += (word >> 4) + 1
         last_rows = rows - before
         if last_rows <= 0 or (log != 0 and 1 << log != last_rows) or blocks * 8 != data_size:
-            return False
-        offset, first = 0, 0
-        tables[out] = 0
-        tables[out + chunks + 1] = 0
+            return 0
+        if chunks == 1:  # any log whose rows hold the one chunk's
+            first_log = 1
+            while 1 << first_log < last_rows:
+                first_log += 1
+        if not alike or (chunks > 1 and last_rows > 1 << first_log):
+            return -1
+        offset = 0
+        tables[out] = first_log
+        tables[out + 1] = 0
         for c in range(chunks):
             word = int(words[width * c]) | int(words[width * c + 1]) << 8
             if width == 4:
                 word |= int(words[4 * c + 2]) << 16 | int(words[4 * c + 3]) << 24
             offset += ((word >> 4) + 1) * 8
-            first += (1 << (word & 0xF)) if c < chunks - 1 else last_rows
-            tables[out + 1 + c] = offset
-            tables[out + chunks + 2 + c] = first
-        return True
+            tables[out + 2 + c] = offset
+        return 1
 
     at = n_tail - FOOTER_SIZE
     meta_at, cmo_at, gbo_at = le(at, 8), le(at + 8, 8), le(at + 16, 8)
@@ -379,12 +390,12 @@ def walk(
                 if (
                     0 < words_size <= len(words)
                     and words_size % width == 0
-                    and used + 2 * chunks + 2 <= len(tables)
+                    and used + chunks + 2 <= len(tables)
                     and max(data_size, rows) < 2**31
                 ):
                     ok = tables_of(words_at, words_size, data_size, rows, width, used)
-                    rec[page + 11] = used if ok else -2
-                    rec[7] = used + 2 * chunks + 2 if ok else used
+                    rec[page + 11] = used if ok > 0 else -1 if ok < 0 else -2
+                    rec[7] = used + chunks + 2 if ok > 0 else used
             page = m + 2 * rec[page + 3]
 
 
@@ -509,6 +520,9 @@ def open_footers(paths: Sequence[str], run: Any) -> list[tuple[int, Footer | Exc
                start=False):  # fmt: skip
         return None
     out: list[tuple[int, Footer | Exception]] = []
+    # One array holds every file's tables (each file's a view): allocated once per call, not
+    # once per file, so the open files' tables do not pin small blocks all over the heap.
+    kept = tables[: int(recs[recs[:, 0] > 0, 7].sum())].copy()
     at = 0
     try:
         for path, buffer, rec in zip(paths, buffers, recs, strict=True):
@@ -518,7 +532,7 @@ def open_footers(paths: Sequence[str], run: Any) -> list[tuple[int, Footer | Exc
             elif status > 0:
                 got = rec[:status].tolist()
                 tail, used = buffer[: got[8]].tobytes(), got[7]
-                out.append((fd, Footer(got, tail, tables[at : at + used].copy())))
+                out.append((fd, Footer(got, tail, kept[at : at + used])))
                 at += used
             else:  # more metadata than the first read, or a record too small: in Python
                 try:

@@ -393,14 +393,19 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                 else:
                     o64[o + i] = value
             continue
-        c = jobs[j, 9]
+        c, row_c, log, rows_left = jobs[j, 9], jobs[j, 10], jobs[j, 11], jobs[j, 12]
         c0_at = chunk_at[c] - scratch_at  # chunk offsets are the page's: rebased to scratch_at
         lo = skip  # values of this chunk before the range
         left = rows  # values still to write
         while left > 0:
             base = chunk_at[c] - c0_at
             end = chunk_at[c + 1] - c0_at
-            count = chunk_rows[c + 1] - chunk_rows[c]
+            if row_c < 0:  # alike chunks: 2**log rows each, the last the rest
+                count = min(1 << log, rows_left)
+                rows_left -= count
+            else:
+                count = chunk_rows[row_c + 1] - chunk_rows[row_c]
+                row_c += 1
             if base + header > end or scratch[base] != 0 or scratch[base + 1] != 0 or lo >= count:
                 failed[0] = j
                 return

@@ -205,6 +205,7 @@ def test_chunk_tables_compiled_and_in_numpy_are_the_same(tmp_path, version, numb
                 assert ours.rows == theirs.rows and len(ours.mini) == len(theirs.mini)
                 for a, b in zip(ours.mini, theirs.mini, strict=True):
                     assert a.kind == b.kind and a.data_at == b.data_at and a.header == b.header
+                    assert a.log == b.log, name
                     for x, y in [(a.chunk_at, b.chunk_at), (a.chunk_rows, b.chunk_rows)]:
                         assert (x is None) == (y is None), name
                         if x is not None:
@@ -290,9 +291,10 @@ def test_files_opened_by_the_compiled_walk_give_the_same_footers_and_no_stray_de
             assert plain(found) == plain(python) and found.tables.size > 0
             for _, pages in found.columns():  # each file's tables, not the one before's
                 for page in (p for p in pages if p.tables_at >= 0):
-                    n = page.sizes[0] // (4 if page.large else 2) + 1
-                    rows = found.tables[page.tables_at + n : page.tables_at + 2 * n]
-                    assert rows[0] == 0 and rows[-1] == page.rows
+                    chunks = page.sizes[0] // (4 if page.large else 2)
+                    log, *offsets = found.tables[page.tables_at : page.tables_at + chunks + 2]
+                    assert offsets[0] == 0 and offsets[-1] == page.sizes[1]
+                    assert (chunks - 1) << log < page.rows <= chunks << log
         finally:
             os.close(fd)
     assert len(os.listdir("/proc/self/fd")) == open_fds

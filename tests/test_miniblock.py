@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import lance
 import numpy as np
 import pyarrow as pa
@@ -307,15 +309,18 @@ def rle_chunk(values: list[int], lengths: list[int]) -> np.ndarray:
     return np.frombuffer(head + pad(raw) + pad(bytes(lengths)), np.uint8).copy()
 
 
+@pytest.mark.parametrize("alike", [False, True])
 @pytest.mark.parametrize(
     ("lengths", "ok"), [([2, 3], True), ([2, 0, 3], False), ([2, 2], False), ([250, 250], True)]
 )
-def test_both_decoders_agree_on_run_length_chunks_good_and_bad(kernels, lengths, ok):
+def test_both_decoders_agree_on_run_length_chunks_good_and_bad(kernels, lengths, ok, alike):
     chunk = rle_chunk(list(range(7, 7 + len(lengths))), lengths)
-    count = 5
-    job = [miniblock.RLE, 2, 16, 4, 0, 0, 1, 3, 0, 0]  # rows 1..3 of the chunk
+    count = 5  # the chunk's rows: its page's chunks are alike (2**3 rows, the last 5), or not
+    rows_at = [-1, 3, count] if alike else [0, 0, 0]
+    job = [miniblock.RLE, 2, 16, 4, 0, 0, 1, 3, 0, 0, *rows_at]  # rows 1..3 of the chunk
     out = np.zeros(8, np.uint8)
-    decode = flat_pages._Decode(job, [np.array([0, len(chunk)])], [np.array([0, count])])
+    rows = [] if alike else [np.array([0, count])]
+    decode = flat_pages._Decode(job, [np.array([0, len(chunk)])], rows)
     if not ok:
         with pytest.raises(ValueError, match="chunk"):
             decode.run(chunk, out, kernels)
@@ -351,3 +356,49 @@ def test_a_window_is_read_and_decoded_by_one_kernel_call(tmp_path, monkeypatch):
     finally:
         kernels.close()
         flat.close()
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_pages_read_the_same_with_each_chunks_rows_kept(tmp_path, kernels, version):
+    """Lance's chunks hold 2**log rows each but the last, so an open page keeps its chunk
+    offsets alone (MiniPage.log); a page whose chunks are not alike keeps each chunk's first
+    row too. The two ways read the same rows."""
+    rng = np.random.default_rng(23)
+    for name in ["atlas", "small_pages", "odd_lengths", "long_runs", "one_row"]:
+        columns, options = shapes(rng, version)[name]
+        path = tmp_path / f"{name}.lance"
+        table = write(path, columns, version, **options)
+        flat = FlatFile.open(str(path), table.column_names)
+        assert flat is not None, name
+        alike = [m for c in flat._columns for m in c.mini if m.chunk_at is not None]
+        assert alike or name == "one_row", name  # 2.2 writes one row as constant pages
+        assert all(m.log > 0 and m.chunk_rows is None for m in alike), name
+        kept = FlatFile.open(str(path), table.column_names)
+        for column in kept._columns:
+            pages = []
+            for m in column.mini:
+                if m.chunk_at is not None:
+                    first = np.minimum(np.arange(len(m.chunk_at)) << m.log, m.rows)
+                    m = replace(m, chunk_rows=first.astype(np.int32), log=0)
+                pages.append(m)
+            kept._columns[kept._columns.index(column)] = column._replace(mini=tuple(pages))
+        n = table.num_rows
+        starts = rng.integers(0, n, 30)
+        ranges = [(int(a), int(min(n - a, rng.choice([1, 100, 1_024, 1_025, 5_000]))))
+                  for a in starts] + [(0, n), (n - 1, 1)]  # fmt: skip
+        for file in (flat, kept):
+            got = read_ranges([FlatRange(file, a, m) for a, m in ranges], kernels)
+            for (a, m), table_ in zip(ranges, got, strict=True):
+                assert table_.equals(table.slice(a, m)), (name, a, m)
+        flat.close()
+        kept.close()
+
+
+def test_alike_log_keeps_each_chunks_rows_unless_they_are_alike():
+    logs = np.array
+    assert miniblock.alike_log(logs([10, 10, 0]), 7) == 10
+    assert miniblock.alike_log(logs([10, 10, 10]), 1024) == 10
+    assert miniblock.alike_log(logs([10, 11, 0]), 7) == 0  # not alike
+    assert miniblock.alike_log(logs([10, 0]), 2000) == 0  # a last chunk of more rows
+    assert miniblock.alike_log(logs([0]), 5_000) == 13  # one chunk: 2**13 rows hold it
+    assert miniblock.alike_log(logs([0]), 1) == 1
