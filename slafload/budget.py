@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from slafload.types import Chunk, Fetch
+from slafload.types import Chunk, Fetch, Offsets
 
 COPIES = 3  # Arrow batches, their concatenation into columns, the chunk's numpy arrays
 
@@ -35,7 +35,7 @@ def row_bytes(schema: pa.Schema, columns: list[str]) -> int:
     return width
 
 
-def read_rows(fetch: Fetch, cell_start: np.ndarray, max_gap: int) -> np.ndarray:
+def read_rows(fetch: Fetch, cell_start: Offsets, max_gap: int) -> np.ndarray:
     """Rows each range of ``fetch`` makes Lance read: its own, plus a preceding gap the reader
     scans through (at most ``max_gap`` rows after the previous range).
     """
@@ -48,7 +48,7 @@ def read_rows(fetch: Fetch, cell_start: np.ndarray, max_gap: int) -> np.ndarray:
     return own + gap
 
 
-def cost(fetch: Fetch, cell_start: np.ndarray, width: int, max_gap: int) -> int:
+def cost(fetch: Fetch, cell_start: Offsets, width: int, max_gap: int) -> int:
     """Bytes charged to ``fetch`` while it is read and assembled."""
     return int(read_rows(fetch, cell_start, max_gap).sum()) * width * COPIES
 
@@ -59,7 +59,7 @@ def fits(in_flight: int, extra: int, budget: int) -> bool:
 
 
 def groups(
-    fetch: Fetch, cell_start: np.ndarray, width: int, max_bytes: int, max_gap: int
+    fetch: Fetch, cell_start: Offsets, width: int, max_bytes: int, max_gap: int
 ) -> list[Fetch]:
     """``fetch`` cut into consecutive groups of ranges costing about ``max_bytes`` each.
 

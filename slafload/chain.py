@@ -144,7 +144,7 @@ def build_chain(
     read = Read(
         parts,
         reader,
-        ds.cell_start,  # type: ignore[arg-type]  # a mixture's offsets index like an array
+        ds.cell_start,
         row_bytes=ds.row_bytes(COLUMNS),
         read_ahead=cfg.read_ahead,
         memory_budget=cfg.memory_budget,

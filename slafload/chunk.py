@@ -27,13 +27,13 @@ from slafload.ranges import RangeSet, expand
 from slafload.read import Group
 from slafload.samplers.base import shuffle_order
 from slafload.stage import Stage
-from slafload.types import Chunk, ChunkTransform, Fetch
+from slafload.types import Chunk, ChunkTransform, Fetch, Offsets
 
 
 def assemble(
     fetch: Fetch,
     batches: Iterable[pa.RecordBatch],
-    cell_start: np.ndarray,
+    cell_start: Offsets,
     *,
     uri: str = "",
     n_genes: int | None = None,

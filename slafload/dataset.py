@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import lance
 import numpy as np
@@ -34,6 +34,7 @@ from slafload.errors import (
     MissingTableError,
     SchemaError,
 )
+from slafload.offsets import CellOffsets
 
 if TYPE_CHECKING:
     from slafload.reader import Reader, ReadOptions
@@ -54,8 +55,9 @@ class SlafDataset:
         uri: Dataset directory or URI, as given to :func:`open_dataset`.
         config: Parsed ``config.json``.
         expression, cells, genes: Lance datasets checked out at the pinned versions.
-        cell_start: ``int64[n_cells + 1]`` CSR offsets: the rows of cell ``c`` are
-            ``expression[cell_start[c]:cell_start[c + 1]]``.
+        cell_start: CSR offsets, indexed like ``int64[n_cells + 1]``: the rows of cell ``c``
+            are ``expression[cell_start[c]:cell_start[c + 1]]`` (:class:`CellOffsets`, 4 bytes
+            a cell: the only state a run keeps per cell).
         storage_options: Lance storage options used to open the tables (object stores).
     """
 
@@ -64,7 +66,7 @@ class SlafDataset:
     expression: lance.LanceDataset
     cells: lance.LanceDataset
     genes: lance.LanceDataset
-    cell_start: np.ndarray
+    cell_start: CellOffsets
     storage_options: Mapping[str, str] | None = field(default=None, repr=False)
 
     @property
@@ -320,12 +322,13 @@ def _check_schema(uri: str, tables: Mapping[str, lance.LanceDataset]) -> None:
         )
 
 
-def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> np.ndarray:
-    """CSR offsets ``int64[n_cells + 1]`` from ``cells.cell_start_index``.
+def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> CellOffsets:
+    """CSR offsets of every cell from ``cells.cell_start_index``, then the row count.
 
-    The only array of one entry per cell that opening keeps (8 bytes per cell). The cells
-    table is read and checked in batches of :data:`_BATCH_CELLS`, so no other per-cell array
-    is ever held whole: a 100M-cell atlas opens in ~0.8 GB plus one batch.
+    The only state of one entry per cell that opening keeps (:class:`CellOffsets`: 4 bytes a
+    cell). The cells table is read, checked and compacted in batches of :data:`_BATCH_CELLS`,
+    so no ``int64`` array of every cell is ever held: a 100M-cell atlas opens in ~0.4 GB plus
+    one batch.
     """
     cells = tables["cells"]
     n_rows = tables["expression"].count_rows()
@@ -335,67 +338,79 @@ def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> np.ndar
             f"{uri!r} has no cells: cells.lance is empty. Nothing to load; write at least "
             "one cell (rows of cells.lance with cell_integer_id and cell_start_index)."
         )
-    has_start = "cell_start_index" in cells.schema.names
-    columns = ["cell_integer_id", "cell_start_index"] if has_start else ["cell_integer_id"]
-    offsets = np.empty(n_cells + 1, dtype=np.int64)
-    pos = 0
-    for batch in cells.to_batches(columns=columns, batch_size=_BATCH_CELLS):
-        ids = batch.column(0).to_numpy()
-        expected = np.arange(pos, pos + len(ids))
-        if not np.array_equal(ids, expected):
-            bad = int(np.flatnonzero(ids != expected)[0])
-            raise InconsistentDataError(
-                f"cells.lance in {uri!r}: cell_integer_id must be 0..n_cells-1 in order, but "
-                f"row {pos + bad} holds {ids[bad]}. Sort the cells table by cell_integer_id "
-                "and renumber."
-            )
-        if has_start:
-            offsets[pos : pos + len(ids)] = batch.column(1).to_numpy()
-        pos += len(ids)
-    if not has_start:
+    if "cell_start_index" not in cells.schema.names:
         logger.warning(
             "cells.lance in %r has no cell_start_index; computing it by scanning "
             "expression.cell_integer_id (slow on large datasets)",
             uri,
         )
-        offsets[:-1] = _offsets_by_scan(tables["expression"], n_cells)
-    offsets[-1] = n_rows
-    decrease = _first_decrease(offsets)
-    if offsets[0] != 0 or decrease is not None:
-        bad = 0 if offsets[0] != 0 or decrease is None else decrease
-        hint = ""
-        if bad == n_cells:  # name the first cell past the end, not the row count
-            bad = _first_above(offsets[:-1], n_rows)
-            hint = (
-                " (slafdb's converter takes the offsets from an obs 'n_genes' column when there "
-                "is one: drop it before converting if it does not count the stored non-zeros)"
-            )
+        _check_ids(uri, cells)
+        starts = np.append(_offsets_by_scan(tables["expression"], n_cells), n_rows)
+        return CellOffsets.of(starts)  # ascending by construction
+    return CellOffsets.build(_checked_starts(uri, cells, n_rows), n_cells + 1)
+
+
+def _checked_starts(uri: str, cells: lance.LanceDataset, n_rows: int) -> Iterator[np.ndarray]:
+    """``cell_start_index`` batch by batch (``int64``), then ``[n_rows]``, each checked: the
+    cell ids in order, the offsets starting at 0, never decreasing and ending at or below
+    ``n_rows``.
+    """
+    pos, previous = 0, 0
+    above: tuple[int, int] | None = None  # the first cell starting past the rows, and where
+    for batch in cells.to_batches(
+        columns=["cell_integer_id", "cell_start_index"], batch_size=_BATCH_CELLS
+    ):
+        _check_id_batch(uri, batch.column(0).to_numpy(), pos)
+        starts = batch.column(1).to_numpy().astype(np.int64, copy=False)
+        if len(starts):
+            down = np.flatnonzero(np.diff(starts, prepend=previous) < 0)
+            if pos == 0 and starts[0] != 0:
+                down = np.array([0])
+            if len(down):
+                _bad_offsets(uri, pos + int(down[0]), int(starts[down[0]]), n_rows)
+            if above is None and starts[-1] > n_rows:
+                first = int(np.flatnonzero(starts > n_rows)[0])
+                above = (pos + first, int(starts[first]))
+            previous = int(starts[-1])
+        pos += len(starts)
+        yield starts
+    if above is not None:  # name the first cell past the end, not the row count
+        _bad_offsets(uri, *above, n_rows, hint=True)
+    yield np.array([n_rows], dtype=np.int64)
+
+
+def _check_ids(uri: str, cells: lance.LanceDataset) -> None:
+    pos = 0
+    for batch in cells.to_batches(columns=["cell_integer_id"], batch_size=_BATCH_CELLS):
+        _check_id_batch(uri, batch.column(0).to_numpy(), pos)
+        pos += batch.num_rows
+
+
+def _check_id_batch(uri: str, ids: np.ndarray, pos: int) -> None:
+    expected = np.arange(pos, pos + len(ids))
+    if not np.array_equal(ids, expected):
+        bad = int(np.flatnonzero(ids != expected)[0])
         raise InconsistentDataError(
-            f"cells.lance in {uri!r}: cell_start_index must start at 0 and never decrease, "
-            f"ending at or below the expression row count ({n_rows}); cell_start_index of cell "
-            f"{bad} breaks this (value {offsets[bad]}). Recompute cell_start_index as the CSR "
-            f"indptr{hint}."
+            f"cells.lance in {uri!r}: cell_integer_id must be 0..n_cells-1 in order, but "
+            f"row {pos + bad} holds {ids[bad]}. Sort the cells table by cell_integer_id "
+            "and renumber."
         )
-    return offsets
 
 
-def _first_above(offsets: np.ndarray, limit: int) -> int:
-    """The first ``i`` with ``offsets[i] > limit``, checked batch by batch."""
-    for lo in range(0, len(offsets), _BATCH_CELLS):
-        above = np.flatnonzero(offsets[lo : lo + _BATCH_CELLS] > limit)
-        if len(above):
-            return lo + int(above[0])
-    return len(offsets)
-
-
-def _first_decrease(offsets: np.ndarray) -> int | None:
-    """The first ``i`` with ``offsets[i] < offsets[i - 1]``, checked batch by batch."""
-    for lo in range(1, len(offsets), _BATCH_CELLS):
-        hi = min(lo + _BATCH_CELLS, len(offsets))
-        down = np.flatnonzero(offsets[lo:hi] < offsets[lo - 1 : hi - 1])
-        if len(down):
-            return lo + int(down[0])
-    return None
+def _bad_offsets(uri: str, bad: int, value: int, n_rows: int, *, hint: bool = False) -> NoReturn:
+    """Raise for ``cell_start_index`` of cell ``bad``, which is ``value``."""
+    extra = (
+        " (slafdb's converter takes the offsets from an obs 'n_genes' column when there "
+        "is one: drop it before converting if it does not count the stored non-zeros)"
+        if hint
+        else ""
+    )
+    raise InconsistentDataError(
+        f"cells.lance in {uri!r}: cell_start_index must start at 0 and never decrease, "
+        f"ending at or below the expression row count ({n_rows}); cell_start_index of cell "
+        f"{bad} breaks this (value {value}). Recompute cell_start_index as the CSR "
+        f"indptr{extra}."
+    )
 
 
 def _offsets_by_scan(expression: lance.LanceDataset, n_cells: int) -> np.ndarray:
@@ -410,7 +425,7 @@ def _check_counts(
     uri: str,
     config: Mapping[str, Any],
     tables: Mapping[str, lance.LanceDataset],
-    cell_start: np.ndarray,
+    cell_start: CellOffsets,
     *,
     pinned: bool = False,
 ) -> None:
@@ -460,7 +475,7 @@ def _check_counts(
 
 
 def _spot_check_expression(
-    uri: str, expression: lance.LanceDataset, cell_start: np.ndarray
+    uri: str, expression: lance.LanceDataset, cell_start: CellOffsets
 ) -> None:
     """Check a few cells' first and last rows carry their cell id (cheap random access)."""
     n_cells = len(cell_start) - 1
@@ -483,7 +498,7 @@ def _spot_check_expression(
             f"file under expression.lance/data/ is truncated, corrupt or unreadable ({exc}). "
             "Check its permissions, or restore the dataset from a copy or rewrite it."
         ) from exc
-    want = np.searchsorted(cell_start, rows, side="right") - 1
+    want = cell_start.searchsorted(rows, side="right") - 1
     if not np.array_equal(got.astype(np.int64), want):
         bad = int(np.flatnonzero(got != want)[0])
         raise InconsistentDataError(

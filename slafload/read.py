@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import pyarrow as pa
 
 from slafload import budget
@@ -37,7 +36,7 @@ from slafload.partition import Part
 from slafload.ranges import RangeSet, describe
 from slafload.reader import MAX_GAP_ROWS, started
 from slafload.stage import Stage
-from slafload.types import Fetch
+from slafload.types import Fetch, Offsets
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +222,7 @@ class Read(Stage[Group]):
         self,
         source: Iterator[Part],
         reader: RetryingReader,
-        cell_start: np.ndarray,
+        cell_start: Offsets,
         *,
         row_bytes: int,
         read_ahead: int = 2,

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 from slafload.buffers import BytePool
 from slafload.dataset import SlafDataset
 from slafload.reader import ReadOptions
-from slafload.types import Chunk, ChunkTransform, Fetch
+from slafload.types import Chunk, ChunkTransform, Fetch, Offsets
 
 
 def source_of(offsets: np.ndarray, cells: np.ndarray) -> np.ndarray:
@@ -75,7 +75,7 @@ class GlobalOffsets:
     over all cells is built (each source already holds its own).
     """
 
-    def __init__(self, offsets: np.ndarray, starts: Sequence[np.ndarray]):
+    def __init__(self, offsets: np.ndarray, starts: Sequence[Offsets]):
         self.offsets, self.starts = offsets, list(starts)
         self.rows = np.concatenate([[0], np.cumsum([int(s[-1]) for s in starts])]).astype(np.int64)
 

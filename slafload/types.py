@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Protocol, overload, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, overload, runtime_checkable
 
 import numpy as np
 
@@ -29,6 +29,17 @@ Arrays = dict[str, np.ndarray]
 
 Batch = dict[str, "torch.Tensor"]
 """A training batch as the consumer receives it: names to tensors of ``batch_size`` rows."""
+
+
+class Offsets(Protocol):
+    """CSR offsets of cells, indexed like ``int64[n_cells + 1]`` (an ``np.ndarray``, a
+    dataset's :class:`~slafload.offsets.CellOffsets`, a mixture's global offsets): an int
+    gives an int, an array of positions gives ``int64``.
+    """
+
+    def __getitem__(self, index: Any) -> Any: ...
+
+    def __len__(self) -> int: ...
 
 
 # -- sampling: which cells, in which order ---------------------------------------------------

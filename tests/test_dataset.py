@@ -105,4 +105,28 @@ def test_opening_holds_no_per_cell_array_but_cell_start(tmp_path, monkeypatch):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert ds.n_cells == n
-    assert peak < 8 * (n + 1) + 2 * 2**20  # cell_start, and batches of 4096 cells
+    assert ds.cell_start.nbytes < 4.01 * (n + 1)  # 4 bytes a cell (and a base per block)
+    assert peak < 4 * (n + 1) + 2**20  # cell_start, and batches of 4096 cells: no int64 copy
+    np.testing.assert_array_equal(np.diff(ds.cell_start), nnz)
+
+
+@pytest.mark.parametrize(
+    ("where", "cell"),
+    [("at a batch's first cell", 4096), ("inside a batch", 5000), ("the first cell", 0)],
+)
+def test_offsets_are_checked_across_the_batches_they_are_read_in(tmp_path, monkeypatch, where,
+                                                                  cell):  # fmt: skip
+    import slafload.dataset
+    from slafload.errors import InconsistentDataError
+
+    path = tmp_path / "d.slaf"
+    write_dense(path, np.ones((9_000, 3), dtype=np.float32))
+    cells = lance.dataset(str(path / "cells.lance")).to_table()
+    start = cells.column("cell_start_index").to_numpy().copy()
+    start[cell] = start[cell - 1] - 1 if cell else 2  # the batch before ends higher
+    cells = cells.set_column(cells.schema.get_field_index("cell_start_index"),
+                             "cell_start_index", pa.array(start))  # fmt: skip
+    lance.write_dataset(cells, str(path / "cells.lance"), mode="overwrite")
+    monkeypatch.setattr(slafload.dataset, "_BATCH_CELLS", 4096)
+    with pytest.raises(InconsistentDataError, match=rf"cell_start_index of cell {cell} breaks"):
+        open_dataset(path)
