@@ -14,6 +14,12 @@ opens the dataset, builds a :class:`slafload.Loader`, and reports
   ``--seconds`` seconds, whichever ends first;
 * ``peak_rss_mb``: ``ru_maxrss`` of the child.
 
+With ``--repeat N`` every contender runs N times (rounds interleaved) and the table, the plot
+and ``summary`` give each one's medians: one run's peak RSS varies by up to ~5% here (thread
+timing decides how much is in flight, and the allocator's arenas), which is half the 10% by
+which the 5M and 500k peaks may differ. ``summary`` also gives, per sampler, the largest
+atlas's median peak RSS over the smallest's (``rss_growth``).
+
 The parent also times building an epoch's plan at 100M and 1B cells (index arithmetic only:
 ``sampler.plan``, rank sharding, the first fetch) with its ``tracemalloc`` peak.
 
@@ -30,6 +36,7 @@ import gc
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -191,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="cells delivered before the clock starts (default: the first fetch)",
     )
     p.add_argument("--seconds", type=float, default=20, help="...or this long, if shorter")
+    p.add_argument("--repeat", type=int, default=1, help="runs per contender (medians)")
     p.add_argument("--child-timeout", type=float, default=240)
     p.add_argument("--settings", default="{}", help="LoaderConfig settings as JSON")
     p.add_argument("--plan-cells", default="100000000,1000000000")
@@ -214,9 +222,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     settings = json.loads(args.settings)
     runs = []
-    jobs = [(a, s) for s in specs for a in atlases]  # sizes interleaved per contender
-    for atlas, spec in progress(jobs, desc="contenders"):
-        r = run_child(atlas, spec, args, settings)
+    jobs = [  # rounds of every contender, sizes interleaved per contender
+        (k, a, s) for k in range(args.repeat) for s in specs for a in atlases
+    ]
+    for k, atlas, spec in progress(jobs, desc="contenders"):
+        r = {**run_child(atlas, spec, args, settings), "round": k}
         runs.append(r)
         if "error" in r:
             print(f"{spec} on {atlas}: {r['error'][-300:]}", file=sys.stderr)
@@ -234,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ),
         "machine": machine(),
         "runs": runs,
+        "summary": summarize(runs),
         "plans": plans,
     }
     out = save_report(report, args.out, print_table, plot)
@@ -241,9 +252,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return report
 
 
+KEYS = ("cells_per_s", "first_batch_s", "peak_rss_mb")
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each contender's medians over its rounds, and each sampler's peak RSS growth from the
+    smallest atlas to the largest (median over median).
+    """
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in runs:
+        if "error" not in r:
+            groups.setdefault((r["dataset"], r["spec"]), []).append(r)
+    medians = []
+    for (atlas, spec), rs in groups.items():
+        middle = {key: statistics.median(r[key] for r in rs) for key in KEYS}
+        medians.append({"dataset": atlas, "spec": spec, "rounds": len(rs), **middle})
+    sizes = {m["dataset"]: _cells(m["dataset"]) for m in medians}
+    growth = {}
+    if len(sizes) > 1:
+        small, large = min(sizes, key=sizes.__getitem__), max(sizes, key=sizes.__getitem__)
+        peak = {(m["dataset"], m["spec"]): m["peak_rss_mb"] for m in medians}
+        growth = {
+            spec: peak[(large, spec)] / peak[(small, spec)]
+            for (atlas, spec) in peak
+            if atlas == large and (small, spec) in peak
+        }
+    return {"medians": medians, "rss_growth": growth}
+
+
+def _cells(path: str) -> int:
+    try:
+        import lance
+
+        return lance.dataset(f"{path.rstrip('/')}/cells.lance").count_rows()
+    except Exception:  # not readable here: order by name
+        return 0
+
+
 def print_table(report: dict[str, Any]) -> None:
     by_atlas: dict[str, list[dict]] = {}
-    for r in report["runs"]:
+    for r in report.get("summary", {}).get("medians") or report["runs"]:
         by_atlas.setdefault(r["dataset"], []).append(r)
     for atlas, runs in by_atlas.items():
         ok = {r["spec"]: r for r in runs if "error" not in r}
@@ -259,6 +307,10 @@ def print_table(report: dict[str, Any]) -> None:
             ratio = r["cells_per_s"] / chunk if chunk else float("nan")
             print(f"{r['spec']:<12}{r['cells_per_s']:>10,.0f}{ratio:>10.2f}"
                   f"{r['first_batch_s']:>15.2f}{r['peak_rss_mb']:>13,.0f}")  # fmt: skip
+    growth = report.get("summary", {}).get("rss_growth") or {}
+    if growth:
+        print("\npeak RSS, largest atlas over smallest: " + ", ".join(
+            f"{spec} {g:.2f}" for spec, g in growth.items()))  # fmt: skip
     print(f"\n{'plan':<10}{'cells':>15}{'ms':>10}{'peak MB':>10}")
     for p in report["plans"]:
         print(f"{p['spec']:<10}{p['n_cells']:>15,}{p['seconds'] * 1e3:>10.1f}{p['peak_mb']:>10.2f}")
@@ -272,14 +324,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    atlases = sorted({r["dataset"] for r in report["runs"]})
-    specs = list(dict.fromkeys(r["spec"] for r in report["runs"]))
+    runs = report.get("summary", {}).get("medians") or report["runs"]
+    atlases = sorted({r["dataset"] for r in runs})
+    specs = list(dict.fromkeys(r["spec"] for r in runs))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.5), sharey=True)
     width = 0.8 / max(len(atlases), 1)
     for k, atlas in enumerate(atlases):
-        got = {r["spec"]: r for r in report["runs"] if r["dataset"] == atlas and "error" not in r}
+        got = {r["spec"]: r for r in runs if r["dataset"] == atlas and "error" not in r}
         ys = [i + k * width for i in range(len(specs))]
-        for ax, key in zip(axes, ("cells_per_s", "first_batch_s", "peak_rss_mb"), strict=True):
+        for ax, key in zip(axes, KEYS, strict=True):
             ax.barh(ys, [got.get(s, {}).get(key, 0) for s in specs], height=width,
                     label=Path(atlas).name)  # fmt: skip
     axes[0].set_yticks([i + width * (len(atlases) - 1) / 2 for i in range(len(specs))], specs)

@@ -125,3 +125,35 @@ def test_device_threads_accounts_the_cpu_of_each_named_thread(small_slaf):
     # The process's CPU is found thread by thread (less any thread that ended inside the
     # window), none of it twice.
     assert 0.5 * row["cpu_us_per_cell"] <= sum(threads.values()) <= 1.1 * row["cpu_us_per_cell"]
+
+
+def test_the_scale_benchmark_reports_medians_and_rss_growth_by_atlas_size(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+    from conftest import write_dense
+
+    path = Path(__file__).parents[1] / "benchmarks" / "scale.py"
+    spec = importlib.util.spec_from_file_location("scale_bench", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    small, large = str(tmp_path / "small.slaf"), str(tmp_path / "large.slaf")
+    write_dense(Path(large), np.ones((30, 4), dtype=np.float32))  # named before the small one
+    write_dense(Path(small), np.ones((10, 4), dtype=np.float32))
+
+    def run(atlas, spec_, rss, k):
+        return {"dataset": atlas, "spec": spec_, "round": k, "cells_per_s": 100.0 * (k + 1),
+                "first_batch_s": 0.1, "peak_rss_mb": rss}  # fmt: skip
+
+    runs = [run(small, "1x64", rss, k) for k, rss in enumerate([700, 650, 720])]
+    runs += [run(large, "1x64", rss, k) for k, rss in enumerate([800, 770, 900])]
+    runs += [run(large, "chunk", 500, 0), {"dataset": small, "spec": "chunk", "error": "x"}]
+    summary = module.summarize(runs)
+    medians = {(m["dataset"], m["spec"]): m for m in summary["medians"]}
+    assert (
+        medians[(small, "1x64")]["peak_rss_mb"] == 700 and medians[(small, "1x64")]["rounds"] == 3
+    )
+    assert medians[(large, "1x64")]["cells_per_s"] == 200.0
+    assert summary["rss_growth"] == {"1x64": 800 / 700}  # chunk failed on the small atlas
