@@ -327,8 +327,9 @@ def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> CellOff
 
     The only state of one entry per cell that opening keeps (:class:`CellOffsets`: 4 bytes a
     cell). The cells table is read, checked and compacted in batches of :data:`_BATCH_CELLS`,
-    so no ``int64`` array of every cell is ever held: a 100M-cell atlas opens in ~0.4 GB plus
-    one batch.
+    so no ``int64`` array of every cell is held: a 100M-cell atlas opens in ~0.4 GB plus one
+    batch (a table without ``cell_start_index`` is scanned instead, counting every cell's
+    rows in one ``int64`` array, as before).
     """
     cells = tables["cells"]
     n_rows = tables["expression"].count_rows()
@@ -347,7 +348,15 @@ def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> CellOff
         _check_ids(uri, cells)
         starts = np.append(_offsets_by_scan(tables["expression"], n_cells), n_rows)
         return CellOffsets.of(starts)  # ascending by construction
-    return CellOffsets.build(_checked_starts(uri, cells, n_rows), n_cells + 1)
+    try:
+        return CellOffsets.build(_checked_starts(uri, cells, n_rows), n_cells + 1)
+    except InconsistentDataError:
+        raise
+    except ValueError as exc:  # the table's row count and its batches disagree
+        raise InconsistentDataError(
+            f"cells.lance in {uri!r}: {exc} (cell_start_index of {n_cells} cells, then the "
+            "row count). Rewrite the cells table."
+        ) from exc
 
 
 def _checked_starts(uri: str, cells: lance.LanceDataset, n_rows: int) -> Iterator[np.ndarray]:

@@ -496,9 +496,10 @@ def _load_pages(
     tables: np.ndarray,
 ) -> list[miniblock.MiniPage] | None:  # fmt: skip
     """The :class:`miniblock.MiniPage` of each ``(layout, buffers, rows, tables_at)`` of the
-    file open as ``fd`` (``None`` if any is not what its layout says): its chunk tables
-    sliced from ``tables`` where the compiled footer walk built them (``tables_at`` >= 0;
-    -2: they did not add up), else read and built by :func:`miniblock.load`.
+    file open as ``fd`` (``None`` if any is not what its layout says): its chunk offsets and
+    :attr:`~miniblock.MiniPage.log` sliced from ``tables`` where the compiled footer walk
+    built them (``tables_at`` >= 0; -2: they did not add up), else (not built, or chunks that
+    are not alike) read and built by :func:`miniblock.load`.
     """
     out = []
     for layout, buffers, rows, at in pages:

@@ -57,7 +57,8 @@ PAGE = 12
 layout (where, length), its ``MiniBlockLayout`` message (where, length; where is -1 if the
 page has none, or not one ``num_items`` equal to its rows) and that ``num_items`` field
 (where it starts and ends); then its ``has_large_chunk`` (field 10: ``u32`` chunk words), and
-where its chunk tables start in the tables the compiled walk built (-1: not built, -2: its
+where its chunk table starts in the tables the compiled walk built (-1: not built, or its
+chunks are not alike and :func:`slafload.miniblock.load` keeps each one's first row; -2: its
 chunk words do not add up to its rows and bytes)."""
 
 # libc's open, lseek and pread, as numba calls them (bind): the compiled walk opens and reads
@@ -408,7 +409,8 @@ class Page(NamedTuple):
     encoding: bytes  # the page's ``Encoding`` message, as written
     key: tuple[bytes, bytes] | None  # its layout key (Footer.pages)
     large: bool  # has_large_chunk: u32 chunk words (a mini-block page)
-    tables_at: int  # where its chunk tables are in Footer.tables; -1: not built; -2: invalid
+    tables_at: int  # where its chunk table is in Footer.tables; -1: not built (or its chunks
+    # are not alike: miniblock.load builds both tables); -2: invalid
 
 
 class Footer(NamedTuple):

@@ -78,21 +78,29 @@ class CellOffsets:
         return self._base.nbytes + self._rel.nbytes
 
     def __getitem__(self, index: Any) -> Any:
+        n = len(self._rel)
+        if isinstance(index, (bool, np.bool_)):
+            raise IndexError("cell offsets are indexed by ints, not bools")
         if isinstance(index, (int, np.integer)):
             i = int(index)
-            if i < 0:
-                i += len(self._rel)
-            return int(self._base[i >> SHIFT]) + int(self._rel[i])  # IndexError out of range
+            if not -n <= i < n:
+                raise IndexError(f"index {i} out of range for {n} offsets")
+            i %= n
+            return int(self._base[i >> SHIFT]) + int(self._rel[i])
         if isinstance(index, slice):
-            start, stop, step = index.indices(len(self._rel))
+            start, stop, step = index.indices(n)
             index = np.arange(start, stop, step, dtype=np.int64)
         else:
             index = np.asarray(index)
+            if index.size == 0:
+                index = index.astype(np.int64)
             if index.dtype.kind not in "iu":
                 raise IndexError(f"cell offsets are indexed by ints, not {index.dtype}")
             index = index.astype(np.int64, copy=False)
+            if index.size and (int(index.min()) < -n or int(index.max()) >= n):
+                raise IndexError(f"an index out of range for {n} offsets")
             if index.size and int(index.min()) < 0:
-                index = np.where(index < 0, index + len(self._rel), index)
+                index = np.where(index < 0, index + n, index)
         out = self._rel[index].astype(np.int64)
         out += self._base[index >> SHIFT]
         return out

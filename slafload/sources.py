@@ -79,7 +79,11 @@ class GlobalOffsets:
         self.offsets, self.starts = offsets, list(starts)
         self.rows = np.concatenate([[0], np.cumsum([int(s[-1]) for s in starts])]).astype(np.int64)
 
-    def __getitem__(self, cells: np.ndarray) -> np.ndarray:
+    def __getitem__(self, cells: Any) -> Any:
+        if isinstance(cells, (int, np.integer)):
+            return int(self[np.array([cells if cells >= 0 else cells + len(self)])][0])
+        if isinstance(cells, slice):  # budget.groups cuts a range at cell boundaries
+            cells = np.arange(*cells.indices(len(self)))
         cells = np.asarray(cells, dtype=np.int64)
         out = np.empty(cells.shape, dtype=np.int64)
         for k, mask in _by_source(self.offsets, cells, len(self.starts)):

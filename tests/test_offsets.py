@@ -31,10 +31,10 @@ def test_it_indexes_like_the_int64_array(n):
     assert compact[picks].dtype == np.int64
     for part in [slice(None), slice(3, 100), slice(n - 5, None), slice(0, n, 7), slice(5, 2)]:
         np.testing.assert_array_equal(compact[part], full[part])
-    with pytest.raises(IndexError):
-        compact[n]
-    with pytest.raises(IndexError):
-        compact[np.array([0.5])]
+    for bad in [n, -n - 1, np.array([n]), np.array([-n - 1]), np.array([0.5]), True]:
+        with pytest.raises(IndexError):
+            compact[bad]
+    assert compact[[]].shape == (0,) and compact[np.array([], np.int64)].dtype == np.int64
     values = np.concatenate([full[rng.integers(0, n, 30)], full[rng.integers(0, n, 30)] + 1,
                              [-1, 0, full[-1], full[-1] + 5]])  # fmt: skip
     for side in ("left", "right"):
@@ -57,3 +57,30 @@ def test_decreasing_or_miscounted_offsets_are_refused():
         CellOffsets.build([np.arange(3)], 4)
     with pytest.raises(ValueError, match="more than"):
         CellOffsets.build([np.arange(3), np.arange(3, 6)], 4)
+
+
+def test_a_mixtures_global_offsets_index_like_the_concatenated_array():
+    from slafload.budget import groups
+    from slafload.sources import GlobalOffsets
+    from slafload.types import Fetch
+
+    rng = np.random.default_rng(5)
+    parts = [offsets(n, rng) for n in (BLOCK + 3, 7, 2 * BLOCK)]
+    first = np.concatenate([[0], np.cumsum([len(p) - 1 for p in parts])])  # global cell ids
+    rows = np.concatenate([[0], np.cumsum([p[-1] for p in parts])])
+    full = np.concatenate([p[:-1] + r for p, r in zip(parts, rows, strict=False)] + [rows[-1:]])
+    mixed = GlobalOffsets(first, [CellOffsets.of(p) for p in parts])
+    assert len(mixed) == len(full)
+    picks = rng.integers(0, len(full), (50, 2))
+    np.testing.assert_array_equal(mixed[picks], full[picks])
+    for i in [0, BLOCK + 2, BLOCK + 3, len(full) - 1, -1]:
+        assert mixed[i] == full[i]
+    np.testing.assert_array_equal(mixed[10 : BLOCK + 9], full[10 : BLOCK + 9])
+    # The budget cuts a large range at cell boundaries by slicing the offsets (a mixture's
+    # large fetch, or a small memory_budget): the same groups as the plain array gives.
+    fetch = Fetch(0, np.array([[5, BLOCK + 8], [BLOCK + 20, BLOCK + 900]]), None)
+    want = groups(fetch, full, width=8, max_bytes=8 * 3 * 100_000, max_gap=0)
+    got = groups(fetch, mixed, width=8, max_bytes=8 * 3 * 100_000, max_gap=0)
+    assert len(got) == len(want) > 2
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a.ranges, b.ranges)
