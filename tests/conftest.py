@@ -7,6 +7,7 @@ import json
 import threading
 import warnings
 from pathlib import Path
+from types import ModuleType
 
 import lance
 import numpy as np
@@ -14,6 +15,20 @@ import pyarrow as pa
 import pytest
 
 from slafload.tools.writer import CsrBlock, write_slaf
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relative: str) -> ModuleType:
+    """A script of the repository (``benchmarks/scale.py``, ``examples/train_mlm.py``)
+    imported as a module, so tests can call its functions.
+    """
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def csr_from_dense(dense: np.ndarray) -> CsrBlock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from conftest import load_script
 
 from slafload.tools.bench import ensure_atlas
 
@@ -109,14 +110,7 @@ def test_the_raw_scan_counts_whole_epochs_and_the_cells_of_a_remainder(small_sla
 
 
 def test_device_threads_accounts_the_cpu_of_each_named_thread(small_slaf):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "benchmarks" / "device_threads.py"
-    spec = importlib.util.spec_from_file_location("device_threads", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/device_threads.py")
     args = argparse.Namespace(batch_size=8, max_genes=16, warmup=200, cells=20_000)
     row = module.run(small_slaf, "geneformer", "cpu", args)
     threads = row["cpu_us_per_cell_by_thread"]
@@ -128,17 +122,12 @@ def test_device_threads_accounts_the_cpu_of_each_named_thread(small_slaf):
 
 
 def test_the_scale_benchmark_reports_medians_and_rss_growth_by_atlas_size(tmp_path):
-    import importlib.util
     from pathlib import Path
 
     import numpy as np
     from conftest import write_dense
 
-    path = Path(__file__).parents[1] / "benchmarks" / "scale.py"
-    spec = importlib.util.spec_from_file_location("scale_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("benchmarks/scale.py")
     small, large = str(tmp_path / "small.slaf"), str(tmp_path / "large.slaf")
     write_dense(Path(large), np.ones((30, 4), dtype=np.float32))  # named before the small one
     write_dense(Path(small), np.ones((10, 4), dtype=np.float32))

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import load_script
 
 import slafload
 from slafload.tools.synthetic import write_atlas
 
-_PATH = Path(__file__).parents[1] / "benchmarks" / "sampling_quality.py"
-_SPEC = importlib.util.spec_from_file_location("sampling_quality", _PATH)
-sq = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(sq)
+sq = load_script("benchmarks/sampling_quality.py")
 
 
 def test_macro_f1_matches_a_hand_computed_case():

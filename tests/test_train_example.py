@@ -3,7 +3,6 @@ packed batches train exactly like padded ones."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,18 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from conftest import load_script
 
 from slafload import Loader
 from slafload.transforms import Vocabulary
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_mlm.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("train_mlm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def tiny_args(tmp_path: Path, *extra: str, name: str = "") -> list[str]:
@@ -45,7 +38,7 @@ def test_training_lowers_the_loss_and_resumes_from_its_checkpoint(tmp_path, caps
     assert run.returncode == 0, run.stderr
     first = torch.load(tmp_path / "ckpt.pt", weights_only=False)
     assert first["step"] == 12
-    train_mlm = load_script()
+    train_mlm = load_script("examples/train_mlm.py")
     train_mlm.main(tiny_args(tmp_path, "--steps", "24", "--resume"))
     assert "resumed at step 12" in capsys.readouterr().out
     last = torch.load(tmp_path / "ckpt.pt", weights_only=False)
@@ -85,7 +78,7 @@ def test_training_on_a_mixture_of_two_atlases_with_different_genes_resumes_exact
     # Two atlases whose gene lists half overlap, through their union as one vocabulary; the
     # interrupted run's losses are the uninterrupted run's, and the sources share the stream
     # by weight (1:1, in fetches of 64 cells: within 0.1).
-    train_mlm = load_script()
+    train_mlm = load_script("examples/train_mlm.py")
     mix = ["--mix", "--data-b", str(tmp_path / "atlas_b.slaf"), "--chunk-cells", "64"]
     train_mlm.main(tiny_args(tmp_path, *mix, "--steps", "12"))
     train_mlm.main(tiny_args(tmp_path, *mix, "--steps", "24", "--resume"))
