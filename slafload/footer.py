@@ -189,6 +189,13 @@ def walk(
             i = nxt
         return at, n
 
+    def chunk_word(c: int, width: int) -> int:
+        """Chunk ``c``'s word (``width`` = 2 or 4 bytes, little-endian) in the words read."""
+        word = int(words[width * c]) | int(words[width * c + 1]) << 8
+        if width == 4:
+            word |= int(words[4 * c + 2]) << 16 | int(words[4 * c + 3]) << 24
+        return word
+
     def tables_of(at: int, size: int, data_size: int, rows: int, width: int, out: int) -> int:
         """Read a page's ``size`` bytes of chunk words at ``at`` and write its table to
         ``tables[out:]``: the log2 of the rows of every chunk but the last, then its chunk
@@ -205,9 +212,7 @@ def walk(
         chunks = size // width
         before, blocks, log, first_log, alike = 0, 0, 0, 0, True
         for c in range(chunks):
-            word = int(words[width * c]) | int(words[width * c + 1]) << 8
-            if width == 4:
-                word |= int(words[4 * c + 2]) << 16 | int(words[4 * c + 3]) << 24
+            word = chunk_word(c, width)
             log = word & 0xF
             if c < chunks - 1:
                 if log == 0:  # only the last chunk may hold "the rest"
@@ -230,10 +235,7 @@ def walk(
         tables[out] = first_log
         tables[out + 1] = 0
         for c in range(chunks):
-            word = int(words[width * c]) | int(words[width * c + 1]) << 8
-            if width == 4:
-                word |= int(words[4 * c + 2]) << 16 | int(words[4 * c + 3]) << 24
-            offset += ((word >> 4) + 1) * 8
+            offset += ((chunk_word(c, width) >> 4) + 1) * 8
             tables[out + 2 + c] = offset
         return 1
 
