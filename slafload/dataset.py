@@ -345,7 +345,8 @@ def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> CellOff
             "expression.cell_integer_id (slow on large datasets)",
             uri,
         )
-        _check_ids(uri, cells)
+        for _ in _id_checked(uri, cells, ["cell_integer_id"]):
+            pass
         starts = np.append(_offsets_by_scan(tables["expression"], n_cells), n_rows)
         return CellOffsets.of(starts)  # ascending by construction
     try:
@@ -366,10 +367,7 @@ def _checked_starts(uri: str, cells: lance.LanceDataset, n_rows: int) -> Iterato
     """
     pos, previous = 0, 0
     above: tuple[int, int] | None = None  # the first cell starting past the rows, and where
-    for batch in cells.to_batches(
-        columns=["cell_integer_id", "cell_start_index"], batch_size=_BATCH_CELLS
-    ):
-        _check_id_batch(uri, batch.column(0).to_numpy(), pos)
+    for batch in _id_checked(uri, cells, ["cell_integer_id", "cell_start_index"]):
         starts = batch.column(1).to_numpy().astype(np.int64, copy=False)
         if len(starts):
             down = np.flatnonzero(np.diff(starts, prepend=previous) < 0)
@@ -388,22 +386,25 @@ def _checked_starts(uri: str, cells: lance.LanceDataset, n_rows: int) -> Iterato
     yield np.array([n_rows], dtype=np.int64)
 
 
-def _check_ids(uri: str, cells: lance.LanceDataset) -> None:
+def _id_checked(
+    uri: str, cells: lance.LanceDataset, columns: list[str]
+) -> Iterator[pa.RecordBatch]:
+    """The cells table's ``columns`` (``cell_integer_id`` first) in batches of
+    :data:`_BATCH_CELLS`, each checked to number the cells ``0..n_cells-1`` in order.
+    """
     pos = 0
-    for batch in cells.to_batches(columns=["cell_integer_id"], batch_size=_BATCH_CELLS):
-        _check_id_batch(uri, batch.column(0).to_numpy(), pos)
-        pos += batch.num_rows
-
-
-def _check_id_batch(uri: str, ids: np.ndarray, pos: int) -> None:
-    expected = np.arange(pos, pos + len(ids))
-    if not np.array_equal(ids, expected):
-        bad = int(np.flatnonzero(ids != expected)[0])
-        raise InconsistentDataError(
-            f"cells.lance in {uri!r}: cell_integer_id must be 0..n_cells-1 in order, but "
-            f"row {pos + bad} holds {ids[bad]}. Sort the cells table by cell_integer_id "
-            "and renumber."
-        )
+    for batch in cells.to_batches(columns=columns, batch_size=_BATCH_CELLS):
+        ids = batch.column(0).to_numpy()
+        expected = np.arange(pos, pos + len(ids))
+        if not np.array_equal(ids, expected):
+            bad = int(np.flatnonzero(ids != expected)[0])
+            raise InconsistentDataError(
+                f"cells.lance in {uri!r}: cell_integer_id must be 0..n_cells-1 in order, but "
+                f"row {pos + bad} holds {ids[bad]}. Sort the cells table by cell_integer_id "
+                "and renumber."
+            )
+        pos += len(ids)
+        yield batch
 
 
 def _bad_offsets(uri: str, bad: int, value: int, n_rows: int, *, hint: bool = False) -> NoReturn:
