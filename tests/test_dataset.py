@@ -105,8 +105,8 @@ def test_opening_holds_no_per_cell_array_but_cell_start(tmp_path, monkeypatch):
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     assert ds.n_cells == n
-    assert ds.cell_start.nbytes < 4.01 * (n + 1)  # 4 bytes a cell (and a base per block)
-    assert peak < 4 * (n + 1) + 2**20  # cell_start, and batches of 4096 cells: no int64 copy
+    assert ds.cell_start.nbytes <= 2.25 * (n + 1) + 8  # 2 bytes a cell, a base per 32 cells
+    assert peak < 2.25 * (n + 1) + 2**20  # cell_start, and batches of 4096 cells: no int64 copy
     np.testing.assert_array_equal(np.diff(ds.cell_start), nnz)
 
 

@@ -1,4 +1,4 @@
-"""CellOffsets: a dataset's CSR offsets in 4 bytes a cell, indexed like the int64 array."""
+"""CellOffsets: a dataset's CSR offsets in 2.25 or 4 bytes a cell, indexed like the int64 array."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from slafload.offsets import BLOCK, CellOffsets
+from slafload.offsets import BLOCK, NARROW_BLOCK, CellOffsets
 
 
 def offsets(n: int, rng: np.random.Generator, high: int = 3_000) -> np.ndarray:
@@ -16,13 +16,19 @@ def offsets(n: int, rng: np.random.Generator, high: int = 3_000) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
+@pytest.mark.parametrize("high", [200, 8_000])  # narrow (uint16) and wide (uint32) offsets
 @pytest.mark.parametrize("n", [1, 2, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17])
-def test_it_indexes_like_the_int64_array(n):
+def test_it_indexes_like_the_int64_array(n, high):
     rng = np.random.default_rng(n)
-    full = offsets(n, rng)
+    full = offsets(n, rng, high)
     cuts = np.unique(np.concatenate([[0, n], rng.integers(0, n, 6)]))  # parts of any length
     compact = CellOffsets.build([full[a:b] for a, b in itertools.pairwise(cuts)], n)
-    assert len(compact) == n and compact.nbytes <= 4 * n + 8 * (n // BLOCK + 1)
+    narrow = n < NARROW_BLOCK or high == 200  # 32 cells of up to 200 rows fit 16 bits
+    assert compact.width == (2 if narrow else 4)
+    if narrow:
+        assert len(compact) == n and compact.nbytes <= 2 * n + 8 * (n // NARROW_BLOCK + 1)
+    else:
+        assert len(compact) == n and compact.nbytes <= 4 * n + 8 * (n // BLOCK + 1)
     np.testing.assert_array_equal(np.asarray(compact), full)
     for i in [0, n - 1, -1, -n, n // 2]:
         assert compact[i] == full[i] and isinstance(compact[i], int)
@@ -41,6 +47,27 @@ def test_it_indexes_like_the_int64_array(n):
         np.testing.assert_array_equal(
             compact.searchsorted(values, side), np.searchsorted(full, values, side)
         )
+
+
+@pytest.mark.parametrize("where", [5, NARROW_BLOCK + 1, BLOCK + 3, 3 * BLOCK - 1])
+def test_a_block_too_wide_for_16_bits_widens_what_was_built(where):
+    """The first 32 cells holding 65,536 rows come in a later part than the narrow ones
+    before them (just after a block's start, inside one, or at the last offset): everything
+    is kept in the uint32 form, and reads the same.
+    """
+    n = 3 * BLOCK
+    counts = np.full(n - 1, 3, dtype=np.int64)
+    counts[where - 1] = 70_000  # cell `where - 1` alone overflows its 32-cell block
+    full = np.concatenate([[0], np.cumsum(counts)])
+    cuts = [0, where - 1, where + 2, n] if where > 1 else [0, where + 2, n]
+    parts = [full[a:b] for a, b in itertools.pairwise(sorted(set(cuts))) if b > a]
+    compact = CellOffsets.build(parts, n)
+    assert compact.width == 4
+    np.testing.assert_array_equal(np.asarray(compact), full)
+    np.testing.assert_array_equal(
+        compact[[where - 1, where, n - 1]], full[[where - 1, where, n - 1]]
+    )
+    assert CellOffsets.build([full[: where - 1]], where - 1).width == 2  # narrow before it
 
 
 def test_blocks_of_more_than_2_32_rows_keep_int64():
