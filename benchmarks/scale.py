@@ -14,6 +14,13 @@ opens the dataset, builds a :class:`slafload.Loader`, and reports
   ``--seconds`` seconds, whichever ends first;
 * ``peak_rss_mb``: ``ru_maxrss`` of the child.
 
+The window is 300k cells by default (60k until round 18). 60k cells are under half a second
+of ChunkShuffle, and single runs of ``BlockShuffle(16, 256)`` on the 5M atlas gave 71-116k
+cells/s (0.45-0.73 of ChunkShuffle's median); over 300k cells, 94-107k (0.63-0.72). A run's
+RSS also keeps climbing after 60k cells on the 500k atlas (``BlockShuffle(1, 256)``: peaks
+of 745-797 MB over the first 60k cells, 788-809 over 400k, reached at 104-143k cells), so
+a short window compares one atlas's warm-up with the other's steady state.
+
 With ``--repeat N`` every contender runs N times (rounds interleaved) and the table, the plot
 and ``summary`` give each one's medians: one run's peak RSS varies by up to ~5% here (thread
 timing decides how much is in flight, and the allocator's arenas), which is half the 10% by
@@ -190,14 +197,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-genes", type=int, default=2048)
     p.add_argument("--fetches", type=float, default=3, help="fetches' worth of cells timed")
-    p.add_argument("--min-cells", type=int, default=60_000, help="...and at least this many")
+    p.add_argument("--min-cells", type=int, default=300_000, help="...and at least this many")
     p.add_argument(
         "--warm-cells",
         type=int,
         default=0,
         help="cells delivered before the clock starts (default: the first fetch)",
     )
-    p.add_argument("--seconds", type=float, default=20, help="...or this long, if shorter")
+    p.add_argument("--seconds", type=float, default=30, help="...or this long, if shorter")
     p.add_argument("--repeat", type=int, default=1, help="runs per contender (medians)")
     p.add_argument("--child-timeout", type=float, default=240)
     p.add_argument("--settings", default="{}", help="LoaderConfig settings as JSON")
