@@ -57,7 +57,7 @@ class SlafDataset:
         expression, cells, genes: Lance datasets checked out at the pinned versions.
         cell_start: CSR offsets, indexed like ``int64[n_cells + 1]``: the rows of cell ``c``
             are ``expression[cell_start[c]:cell_start[c + 1]]`` (:class:`CellOffsets`, 2.25
-            bytes a cell, 4 on atlases denser than ~2k non-zeros a cell: the only state a
+            bytes a cell, 4 on atlases denser than ~2.1k non-zeros a cell: the only state a
             run keeps per cell).
         storage_options: Lance storage options used to open the tables (object stores).
     """
@@ -329,8 +329,9 @@ def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> CellOff
     The only state of one entry per cell that opening keeps (:class:`CellOffsets`: 2.25 bytes
     a cell, or 4). The cells table is read, checked and compacted in batches of
     :data:`_BATCH_CELLS`, so no ``int64`` array of every cell is held: a 100M-cell atlas opens
-    in ~0.23 GB (0.4 GB in the 4-byte form) plus one batch (a table without ``cell_start_index`` is scanned instead, counting every cell's
-    rows in one ``int64`` array, as before).
+    in ~0.23 GB (0.4 GB in the 4-byte form, up to ~0.6 GB while it is widened) plus one batch
+    (a table without ``cell_start_index`` is scanned instead, counting every cell's rows in
+    one ``int64`` array, as before).
     """
     cells = tables["cells"]
     n_rows = tables["expression"].count_rows()

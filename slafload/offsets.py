@@ -6,13 +6,14 @@ is 40 MB at 5M cells and 800 MB at 100M. :class:`CellOffsets` keeps one ``int64`
 block of cells and, per cell, its offset from its block's base:
 
 * ``uint16`` offsets and a base per :data:`NARROW_BLOCK` (32) cells, 2.25 bytes a cell, where
-  no 32 consecutive cells hold 65,536 rows or more (2,048 non-zeros a cell on average: single-
-  cell atlases hold a few hundred to a few thousand; Tahoe-100M ~600);
+  no block's offsets reach 65,536 rows past its first (its first 31 cells: ~2.1k non-zeros a
+  cell on average; single-cell atlases hold a few hundred to a few thousand, Tahoe-100M ~600);
 * else ``uint32`` offsets and a base per :data:`BLOCK` (4,096) cells, 4 bytes a cell (a block
   would need over a million non-zeros a cell to overflow it; then the offsets are ``int64``).
 
 The form is picked while the offsets are built, batch by batch: the narrow one until a block
-overflows it, then what was built is widened once. It indexes like the ``int64[n_cells + 1]``
+overflows it, then what was built is widened once (both forms are held while it is: ~6 bytes
+a cell, once, where the first overflow comes late). It indexes like the ``int64[n_cells + 1]``
 array it stands for: an int gives an int, a slice or an array of positions (any shape) gives
 ``int64``; ``np.asarray`` builds the whole array (for tests and tools, not for the loader's
 hot path).
@@ -163,7 +164,8 @@ def _from_bases(part: np.ndarray, pos: int, base: np.ndarray, shift: int) -> np.
 
 def _widened(base: np.ndarray, rel: np.ndarray, pos: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     """The first ``pos`` offsets of the narrow form (``base``, ``uint16`` ``rel``) in the
-    ``uint32`` form, a slice of cells at a time (never an ``int64`` array of them all).
+    ``uint32`` form, a slice of cells at a time (never an ``int64`` array of them all). They
+    fit: a wide block is 128 narrow ones, each spanning under 2**16 rows.
     """
     wide_base = np.zeros(-(-n >> SHIFT), dtype=np.int64)
     wide: np.ndarray = np.empty(n, dtype=np.uint32)
@@ -171,8 +173,5 @@ def _widened(base: np.ndarray, rel: np.ndarray, pos: int, n: int) -> tuple[np.nd
         b = min(pos, a + _WIDEN_CELLS)
         cells = np.arange(a, b)
         full = rel[a:b] + base[cells >> NARROW_SHIFT]
-        own = _from_bases(full, a, wide_base, SHIFT)
-        if int(own.max()) > np.iinfo(wide.dtype).max:
-            wide = wide.astype(np.int64)
-        wide[a:b] = own
+        wide[a:b] = _from_bases(full, a, wide_base, SHIFT)  # < 128 narrow blocks: < 2**23
     return wide_base, wide

@@ -51,7 +51,7 @@ def test_it_indexes_like_the_int64_array(n, high):
 
 @pytest.mark.parametrize("where", [5, NARROW_BLOCK + 1, BLOCK + 3, 3 * BLOCK - 1])
 def test_a_block_too_wide_for_16_bits_widens_what_was_built(where):
-    """The first 32 cells holding 65,536 rows come in a later part than the narrow ones
+    """The first 32-cell block spanning 65,536 rows comes in a later part than the narrow ones
     before them (just after a block's start, inside one, or at the last offset): everything
     is kept in the uint32 form, and reads the same.
     """
