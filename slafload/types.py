@@ -34,7 +34,8 @@ Batch = dict[str, "torch.Tensor"]
 class Offsets(Protocol):
     """CSR offsets of cells, indexed like ``int64[n_cells + 1]`` (an ``np.ndarray``, a
     dataset's :class:`~slafload.offsets.CellOffsets`, a mixture's global offsets): an int
-    gives an int, an array of positions gives ``int64``.
+    gives an int, a slice or an array of positions gives ``int64`` (``budget.groups`` slices
+    them to cut a range at cell boundaries).
     """
 
     def __getitem__(self, index: Any) -> Any: ...
