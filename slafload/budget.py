@@ -14,6 +14,9 @@ through, :data:`slafload.reader.MAX_GAP_ROWS`) times the row width, times
   converted to compact arrays before the next is read, so its Arrow data is freed group by
   group. The groups are concatenated in read order, so the chunk, its shuffle and every
   delivered cell are exactly those of a whole-fetch read.
+* A fetch of scattered ranges (:func:`scattered`: single cells, small blocks) is also read in
+  groups of at most :data:`GROUP_RANGES` ranges, whatever its cost, so what a fetch of single
+  cells holds in flight does not grow with the atlas. Its charge is unchanged.
 """
 
 from __future__ import annotations
@@ -24,6 +27,14 @@ import pyarrow as pa
 from slafload.types import Chunk, Fetch, Offsets
 
 COPIES = 3  # Arrow batches, their concatenation into columns, the chunk's numpy arrays
+# A fetch whose ranges average fewer rows than this is scattered (BlockShuffle(1, f) and
+# other small blocks: a 16-cell block of ~800 non-zeros a cell is 12.8k rows)...
+SCATTERED_ROWS = 4096
+# ...and is read in groups of at most this many ranges. The budget charges the gap rows
+# between nearby cells, so on a 500k-cell atlas a BlockShuffle(1, 64) fetch was read in ~16
+# groups of ~128 cells, while on a 5M one, whose cells are too far apart for that, in ~3 of
+# ~700: 5M's peak RSS 8-12% higher and its cells/s 10-20% lower (docs/sampling.md, round 19).
+GROUP_RANGES = 256
 
 
 def row_bytes(schema: pa.Schema, columns: list[str]) -> int:
@@ -53,15 +64,32 @@ def cost(fetch: Fetch, cell_start: Offsets, width: int, max_gap: int) -> int:
     return int(read_rows(fetch, cell_start, max_gap).sum()) * width * COPIES
 
 
+def scattered(fetch: Fetch, cell_start: Offsets) -> bool:
+    """Whether ``fetch`` holds more than :data:`GROUP_RANGES` ranges of, on average, fewer
+    than :data:`SCATTERED_ROWS` rows each.
+    """
+    n = len(fetch.ranges)
+    if n <= GROUP_RANGES:
+        return False
+    rows = cell_start[fetch.ranges]
+    return int((rows[:, 1] - rows[:, 0]).sum()) < SCATTERED_ROWS * n
+
+
 def fits(in_flight: int, extra: int, budget: int) -> bool:
     """Whether ``extra`` more bytes may be started with ``in_flight`` held (always if none)."""
     return in_flight == 0 or in_flight + extra <= budget
 
 
 def groups(
-    fetch: Fetch, cell_start: Offsets, width: int, max_bytes: int, max_gap: int
+    fetch: Fetch,
+    cell_start: Offsets,
+    width: int,
+    max_bytes: int,
+    max_gap: int,
+    max_ranges: int | None = None,
 ) -> list[Fetch]:
-    """``fetch`` cut into consecutive groups of ranges costing about ``max_bytes`` each.
+    """``fetch`` cut into consecutive groups of ranges costing about ``max_bytes`` each, and
+    holding at most ``max_ranges`` ranges each where that is given.
 
     A range costing more is cut at cell boundaries (a single cell is never cut). A range is
     charged the gap before it that the reader scans through (:func:`read_rows`), as
@@ -87,6 +115,10 @@ def groups(
     rows = read_rows(Fetch(fetch.index, ranges, None), cell_start, max_gap)
     group = (np.cumsum(rows) - rows) // max_rows
     bounds = np.flatnonzero(np.diff(group, prepend=-1, append=group[-1] + 1 if len(group) else 0))
+    if max_ranges is not None:  # a group of more ranges: cut into equal groups of at most that
+        cut = [np.linspace(lo, hi, -(-(hi - lo) // max_ranges) + 1).round().astype(np.int64)
+               for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)]  # fmt: skip
+        bounds = np.unique(np.concatenate([bounds, *cut]))
     return [
         Fetch(fetch.index, ranges[lo:hi], None)
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)

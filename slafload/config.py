@@ -103,8 +103,9 @@ class LoaderConfig:
         memory_budget: Bytes of expression data the reader and chunk stage may hold at once
             (default 512 MiB), counted as rows read x row width x 3 copies
             (``slafload/budget.py``). Read-ahead starts another fetch only while it fits; a
-            fetch costing over half of it is read in groups of consecutive ranges. The order
-            of cells does not depend on it.
+            fetch costing over half of it is read in groups of consecutive ranges, as is a
+            fetch of more than 256 scattered ranges (single cells, small blocks), 256 at most
+            a group (``budget.GROUP_RANGES``). The order of cells does not depend on it.
         first_read_cells: The first fetch of a chain (a run's start, a resume, each epoch
             of an epoch-aware chain or of the ``DataLoader`` face) is read as its
             first ``max(first_read_cells, batch_size)`` output cells, then the rest, so the

@@ -182,7 +182,8 @@ class Group:
 
     A part whose fetch costs more than half the memory budget is read in groups of
     consecutive ranges (:func:`slafload.budget.groups`), so its Arrow data never all sits in
-    memory at once.
+    memory at once; so is a fetch of scattered ranges (:func:`slafload.budget.scattered`),
+    at most :data:`slafload.budget.GROUP_RANGES` ranges a group.
     """
 
     part: Part
@@ -241,12 +242,17 @@ class Read(Stage[Group]):
         self._group = 0
 
     def _plan(self, part: Part) -> _Reading:
-        cost = budget.cost(part.fetch, self.cell_start, self.row_bytes, MAX_GAP_ROWS)
-        if cost <= self.memory_budget // 2:
-            return _Reading(part, [part.fetch], cost)
+        fetch = part.fetch
+        cost = budget.cost(fetch, self.cell_start, self.row_bytes, MAX_GAP_ROWS)
+        scattered = budget.scattered(fetch, self.cell_start)
+        if cost <= self.memory_budget // 2 and not scattered:
+            return _Reading(part, [fetch], cost)
         quarter = self.memory_budget // 4
-        groups = budget.groups(part.fetch, self.cell_start, self.row_bytes, quarter, MAX_GAP_ROWS)
-        return _Reading(part, groups, quarter)
+        max_ranges = budget.GROUP_RANGES if scattered else None
+        groups = budget.groups(
+            fetch, self.cell_start, self.row_bytes, quarter, MAX_GAP_ROWS, max_ranges
+        )
+        return _Reading(part, groups, cost if cost <= self.memory_budget // 2 else quarter)
 
     def _start(self, fetch: Fetch) -> PendingRead:
         """Start reading ``fetch``, without cell ids where its cells were checked before."""

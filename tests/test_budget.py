@@ -7,7 +7,8 @@ import pytest
 from conftest import random_counts, write_dense
 
 from slafload import Loader, open_dataset
-from slafload.budget import cost, groups, read_rows
+from slafload.budget import GROUP_RANGES, SCATTERED_ROWS, cost, groups, read_rows, scattered
+from slafload.read import RetryingReader
 from slafload.samplers import BlockShuffle, ChunkShuffle, Fetch
 
 
@@ -74,3 +75,46 @@ def test_groups_charge_the_gaps_read_through_so_sparse_cells_stay_in_budget(data
         spanned = int(start[g.ranges[-1, 1]] - start[g.ranges[0, 0]])  # over the budget only
         last = int(read_rows(g, start, 10**9)[-1])  # by the last cell and its gap
         assert spanned - last <= max_rows
+
+
+def test_groups_hold_at_most_max_ranges_and_still_keep_the_byte_bound(dataset):
+    start = dataset.cell_start
+    cells = np.arange(0, 300, 2)
+    fetch = Fetch(2, np.stack([cells, cells + 1], axis=1))
+    for max_rows in (10**9, 25):
+        parts = groups(fetch, start, width=8, max_bytes=8 * 3 * max_rows, max_gap=0, max_ranges=16)
+        np.testing.assert_array_equal(np.concatenate([g.cell_ids() for g in parts]), cells)
+        assert all(len(g.ranges) <= 16 for g in parts)
+        assert len(parts) >= -(-len(cells) // 16)
+        for g in parts:
+            assert int(read_rows(g, start, 0)[:-1].sum()) <= max_rows
+
+
+def test_scattered_means_more_than_group_ranges_ranges_of_few_rows_each():
+    short = np.arange(0, 100 * (GROUP_RANGES + 10) + 1, 100)  # cells of 100 rows
+    long = np.arange(0, SCATTERED_ROWS * (GROUP_RANGES + 10) + 1, SCATTERED_ROWS)
+    many = np.stack([np.arange(GROUP_RANGES + 1), np.arange(1, GROUP_RANGES + 2)], axis=1)
+    assert scattered(Fetch(0, many), short)
+    assert not scattered(Fetch(0, many[:GROUP_RANGES]), short)  # few ranges: read whole
+    assert not scattered(Fetch(0, many), long)  # ranges of SCATTERED_ROWS rows or more
+
+
+def test_fetches_of_single_cells_are_read_in_groups_of_at_most_group_ranges(tmp_path, monkeypatch):
+    dense = random_counts(3000, 20, seed=11, density=0.3, empty_every=23)
+    ds = open_dataset(write_dense(tmp_path / "single.slaf", dense, max_rows_per_file=5000))
+    started: list[int] = []
+    start = RetryingReader.start
+
+    def recorded(self, fetch, **kw):
+        started.append(len(fetch.ranges))
+        return start(self, fetch, **kw)
+
+    monkeypatch.setattr(RetryingReader, "start", recorded)
+    sampler = BlockShuffle(block_size=1, fetch_factor=64, batch_size=8)  # 512 cells a fetch
+    cells, tokens = cells_and_tokens(ds, sampler)
+    assert max(started) <= GROUP_RANGES
+    assert sum(n > GROUP_RANGES // 2 for n in started) >= 5  # full fetches (~430 ranges), cut
+    assert sorted(cells.tolist()) == list(range(3000))
+    monkeypatch.setattr(RetryingReader, "start", start)
+    ref_cells, ref_tokens = cells_and_tokens(ds, ChunkShuffle(chunk_cells=3000))
+    np.testing.assert_array_equal(tokens[np.argsort(cells)], ref_tokens[np.argsort(ref_cells)])
