@@ -33,7 +33,8 @@ SCATTERED_ROWS = 4096
 # ...and is read in groups of at most this many ranges. The budget charges the gap rows
 # between nearby cells, so on a 500k-cell atlas a BlockShuffle(1, 64) fetch was read in ~16
 # groups of ~128 cells, while on a 5M one, whose cells are too far apart for that, in ~3 of
-# ~700: 5M's peak RSS 8-12% higher and its cells/s 10-20% lower (docs/sampling.md, round 19).
+# ~700: 5M's peak RSS 786-805 MB instead of 731-773 with these groups, and 11% fewer cells/s
+# (docs/sampling.md, round 19).
 GROUP_RANGES = 256
 
 

@@ -245,14 +245,17 @@ class Read(Stage[Group]):
         fetch = part.fetch
         cost = budget.cost(fetch, self.cell_start, self.row_bytes, MAX_GAP_ROWS)
         scattered = budget.scattered(fetch, self.cell_start)
-        if cost <= self.memory_budget // 2 and not scattered:
+        half, quarter = self.memory_budget // 2, self.memory_budget // 4
+        if cost <= half and not scattered:
             return _Reading(part, [fetch], cost)
-        quarter = self.memory_budget // 4
+        # Over half the budget: groups of about a quarter, charged a quarter. A scattered
+        # fetch within it is cut by its range count alone, and charged as a whole read.
         max_ranges = budget.GROUP_RANGES if scattered else None
+        max_bytes = quarter if cost > half else half
         groups = budget.groups(
-            fetch, self.cell_start, self.row_bytes, quarter, MAX_GAP_ROWS, max_ranges
+            fetch, self.cell_start, self.row_bytes, max_bytes, MAX_GAP_ROWS, max_ranges
         )
-        return _Reading(part, groups, cost if cost <= self.memory_budget // 2 else quarter)
+        return _Reading(part, groups, quarter if cost > half else cost)
 
     def _start(self, fetch: Fetch) -> PendingRead:
         """Start reading ``fetch``, without cell ids where its cells were checked before."""

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import random_counts, write_dense
 
+import slafload.budget
 from slafload import Loader, open_dataset
 from slafload.budget import GROUP_RANGES, SCATTERED_ROWS, cost, groups, read_rows, scattered
 from slafload.read import RetryingReader
@@ -88,6 +89,10 @@ def test_groups_hold_at_most_max_ranges_and_still_keep_the_byte_bound(dataset):
         assert len(parts) >= -(-len(cells) // 16)
         for g in parts:
             assert int(read_rows(g, start, 0)[:-1].sum()) <= max_rows
+    for n, sizes in ((17, [8, 9]), (33, [11, 11, 11]), (16, [16])):  # equal parts, not 16 + rest
+        some = Fetch(0, fetch.ranges[:n])
+        parts = groups(some, start, width=8, max_bytes=10**12, max_gap=0, max_ranges=16)
+        assert sorted(len(g.ranges) for g in parts) == sizes
 
 
 def test_scattered_means_more_than_group_ranges_ranges_of_few_rows_each():
@@ -97,6 +102,7 @@ def test_scattered_means_more_than_group_ranges_ranges_of_few_rows_each():
     assert scattered(Fetch(0, many), short)
     assert not scattered(Fetch(0, many[:GROUP_RANGES]), short)  # few ranges: read whole
     assert not scattered(Fetch(0, many), long)  # ranges of SCATTERED_ROWS rows or more
+    assert scattered(Fetch(0, many), long - np.arange(len(long)))  # a row fewer each
 
 
 def test_fetches_of_single_cells_are_read_in_groups_of_at_most_group_ranges(tmp_path, monkeypatch):
@@ -115,6 +121,8 @@ def test_fetches_of_single_cells_are_read_in_groups_of_at_most_group_ranges(tmp_
     assert max(started) <= GROUP_RANGES
     assert sum(n > GROUP_RANGES // 2 for n in started) >= 5  # full fetches (~430 ranges), cut
     assert sorted(cells.tolist()) == list(range(3000))
-    monkeypatch.setattr(RetryingReader, "start", start)
-    ref_cells, ref_tokens = cells_and_tokens(ds, ChunkShuffle(chunk_cells=3000))
-    np.testing.assert_array_equal(tokens[np.argsort(cells)], ref_tokens[np.argsort(ref_cells)])
+    monkeypatch.setattr(RetryingReader, "start", start)  # the same fetches, each read whole:
+    monkeypatch.setattr(slafload.budget, "GROUP_RANGES", 10**9)  # the same cells, same order
+    ref_cells, ref_tokens = cells_and_tokens(ds, sampler)
+    np.testing.assert_array_equal(cells, ref_cells)
+    np.testing.assert_array_equal(tokens, ref_tokens)
