@@ -100,26 +100,30 @@ def groups(
     """
     per_row = width * COPIES
     max_rows = max(1, max_bytes // per_row)
+    given = np.asarray(fetch.ranges, dtype=np.int64).reshape(-1, 2)
+    large = (read_rows(fetch, cell_start, max_gap) > max_rows) & (given[:, 1] - given[:, 0] > 1)
     pieces: list[np.ndarray] = []
-    for (a, b), rows in zip(
-        fetch.ranges.tolist(), read_rows(fetch, cell_start, max_gap).tolist(), strict=True
-    ):
-        if rows <= max_rows or b - a <= 1:
-            pieces.append(np.array([[a, b]], dtype=np.int64))
-            continue
+    done = 0
+    for i in np.flatnonzero(large).tolist():  # the ranges to cut, alone: no loop over cells
+        a, b = given[i].tolist()
         offsets = cell_start[a : b + 1] - cell_start[a]
         cuts = np.searchsorted(offsets, np.arange(max_rows, int(offsets[-1]), max_rows), "right")
         cuts = np.unique(np.clip(cuts - 1, 1, b - a - 1))
         edges = np.concatenate([[0], cuts, [b - a]]) + a
-        pieces.append(np.stack([edges[:-1], edges[1:]], axis=1))
-    ranges = np.concatenate(pieces) if pieces else np.zeros((0, 2), dtype=np.int64)
+        pieces += [given[done:i], np.stack([edges[:-1], edges[1:]], axis=1)]
+        done = i + 1
+    ranges = np.concatenate([*pieces, given[done:]]) if pieces else given
     rows = read_rows(Fetch(fetch.index, ranges, None), cell_start, max_gap)
     group = (np.cumsum(rows) - rows) // max_rows
     bounds = np.flatnonzero(np.diff(group, prepend=-1, append=group[-1] + 1 if len(group) else 0))
     if max_ranges is not None:  # a group of more ranges: cut into equal groups of at most that
-        cut = [np.linspace(lo, hi, -(-(hi - lo) // max_ranges) + 1).round().astype(np.int64)
-               for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)]  # fmt: skip
-        bounds = np.unique(np.concatenate([bounds, *cut]))
+        lo, n = bounds[:-1], np.diff(bounds)
+        parts = -(-n // max_ranges)
+        extra = np.maximum(parts - 1, 0)  # cuts inside each group
+        g = np.repeat(np.arange(len(n)), extra)
+        j = np.arange(int(extra.sum())) - np.repeat(np.cumsum(extra) - extra, extra) + 1
+        cuts = np.rint(j * (n[g] / parts[g]) + lo[g]).astype(np.int64)  # as np.linspace
+        bounds = np.union1d(bounds, cuts)
     return [
         Fetch(fetch.index, ranges[lo:hi], None)
         for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
