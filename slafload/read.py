@@ -236,7 +236,7 @@ class Read(Stage[Group]):
         self.checked = checked
         self._ahead: deque[_Reading] = deque()
         self._failure: Exception | None = None
-        self._peeked: Part | None = None
+        self._peeked: _Reading | None = None  # pulled and planned, waiting to fit
         self._exhausted = False
         self._first = True
         self._group = 0
@@ -268,14 +268,15 @@ class Read(Stage[Group]):
         while self._failure is None and not self._exhausted and len(self._ahead) < n:
             if self._peeked is None:
                 try:
-                    self._peeked = next(self.source, None)
+                    part = next(self.source, None)
                 except Exception as exc:
                     self._failure = exc
                     return
-                if self._peeked is None:
+                if part is None:
                     self._exhausted = True
                     return
-            reading = self._plan(self._peeked)
+                self._peeked = self._plan(part)  # once, however often it does not fit yet
+            reading = self._peeked
             held = holding + sum(r.cost for r in self._ahead)
             if not budget.fits(held, reading.cost, self.memory_budget):
                 return
