@@ -511,8 +511,7 @@ def _load_pages(
                 return None
         else:
             n = buffers[0][1] // (4 if layout.large else 2) + 1  # chunks + 1 offsets
-            page = miniblock.mini_page(layout, rows, buffers[1][0], tables[at + 1 : at + 1 + n],
-                                       None, int(tables[at]))  # fmt: skip
+            page = miniblock.mini_page(layout, rows, buffers[1][0], tables[at:], n, None)
         out.append(page)
     return out
 
@@ -684,8 +683,8 @@ def read_ranges(
                         first_row, r0 = int(rows_of[c0]), n_rows_of
                         chunk_rows.append(rows_of[c0 : c1 + 1])
                         n_rows_of += c1 + 1 - c0
-                    offset = int(at_of[c0])
-                    size = int(at_of[c1]) - offset
+                    offset = mini.offset(c0)
+                    size = mini.offset(c1) - offset
                     jobs += (mini.kind, width, mini.header, mini.size_bytes, packed.total, out,
                              at - first_row, n, 0, n_chunks, r0, log,
                              mini.rows - first_row)  # fmt: skip

@@ -40,6 +40,12 @@ FIRST_READ = 4 << 10
 RECORD_COMPILED = 1024
 WORDS = 16 << 10
 TABLES = 1 << 13
+# A page's chunk table (slafload.miniblock.pack_table): a checkpoint every STRIDE chunk
+# offsets, the offsets in 8-byte units modulo 2**16, so chunks, and a checkpoint's chunks, of
+# under SPAN bytes. Here, not in miniblock, because numba's cache of the compiled walk is
+# keyed on this file.
+STRIDE = 16
+SPAN = 1 << 19
 
 # rec[0] after a walk: the entries used (> 0), or one of these.
 BAD = 0  # not a Lance 2.x footer this reads
@@ -99,7 +105,7 @@ def walk(
     Compiled, it is given the file open as ``fd`` instead (and ``size`` -1): it reads the
     file's size and last bytes into ``tail`` itself, then, for each mini-block page, its
     chunk words into ``words`` and its chunk table (the log2 of its chunks' rows, then its
-    ``chunks + 1`` offsets: :class:`slafload.miniblock.MiniPage`) into ``tables``: one call, the GIL
+    ``chunks + 1`` offsets: :func:`slafload.miniblock.pack_table`) into ``tables``: one call, the GIL
     released throughout, where Python would take it back after every read. With ``flags``
     (>= 0) it opens the file too: the path, NUL-terminated, at the start of ``tail``, opened
     with those ``open`` flags; the descriptor is then ``rec[9]`` (-1: it could not be opened),
@@ -199,9 +205,10 @@ def walk(
     def tables_of(at: int, size: int, data_size: int, rows: int, width: int, out: int) -> int:
         """Read a page's ``size`` bytes of chunk words at ``at`` and write its table to
         ``tables[out:]``: the log2 of the rows of every chunk but the last, then its chunk
-        offsets (:class:`slafload.miniblock.MiniPage`). 1: written; 0: the words do not add
+        offsets (:func:`slafload.miniblock.pack_table`). 1: written; 0: the words do not add
         up to its rows and bytes; -1: they do, but its chunks are not all alike (for
-        :func:`slafload.miniblock.load`, which keeps each chunk's first row).
+        :func:`slafload.miniblock.load`, which keeps each chunk's first row), or one is over
+        :data:`SPAN` bytes.
         """
         got = 0
         while got < size:
@@ -231,12 +238,30 @@ def walk(
                 first_log += 1
         if not alike or (chunks > 1 and last_rows > 1 << first_log):
             return -1
-        offset = 0
+        # The table as slafload.miniblock.pack_table writes it: the log, every STRIDE-th
+        # offset, then every offset in 8-byte units modulo 2**16, two to an int32.
+        n = chunks + 1
+        m = (n + STRIDE - 1) // STRIDE
         tables[out] = first_log
-        tables[out + 1] = 0
-        for c in range(chunks):
-            offset += ((chunk_word(c, width) >> 4) + 1) * 8
-            tables[out + 2 + c] = offset
+        offset, base = 0, 0
+        for c in range(n):
+            if c % STRIDE == 0:
+                base = offset
+                tables[out + 1 + c // STRIDE] = offset
+            elif offset - base >= SPAN:
+                return -1  # not this table's form: miniblock.load decides
+            units = (offset >> 3) & 0xFFFF
+            k = out + 1 + m + (c >> 1)
+            if c % 2 == 0:
+                tables[k] = units
+            else:
+                both = int(tables[k]) | (units << 16)
+                tables[k] = both - (1 << 32) if both >= 1 << 31 else both
+            if c < chunks:
+                size = ((chunk_word(c, width) >> 4) + 1) * 8
+                if size >= SPAN:
+                    return -1
+                offset += size
         return 1
 
     at = n_tail - FOOTER_SIZE
@@ -390,15 +415,16 @@ def walk(
                 width = 4 if rec[page + 10] else 2
                 chunks = words_size // width
                 used = rec[7]
+                size = 1 + (chunks + STRIDE) // STRIDE + (chunks + 2) // 2  # its table's int32s
                 if (
                     0 < words_size <= len(words)
                     and words_size % width == 0
-                    and used + chunks + 2 <= len(tables)
+                    and used + size <= len(tables)
                     and max(data_size, rows) < 2**31
                 ):
                     ok = tables_of(words_at, words_size, data_size, rows, width, used)
                     rec[page + 11] = used if ok > 0 else -1 if ok < 0 else -2
-                    rec[7] = used + chunks + 2 if ok > 0 else used
+                    rec[7] = used + size if ok > 0 else used
             page = m + 2 * rec[page + 3]
 
 

@@ -394,12 +394,14 @@ def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                     o64[o + i] = value
             continue
         c, row_c, log, rows_left = jobs[j, 9], jobs[j, 10], jobs[j, 11], jobs[j, 12]
-        c0_at = chunk_at[c] - scratch_at  # chunk offsets are the page's: rebased to scratch_at
+        # The job's chunks lie back to back from scratch_at; chunk_at holds their offsets in
+        # 8-byte units modulo 2**16 (MiniPage), so each chunk's bytes are a masked difference.
+        end = scratch_at
         lo = skip  # values of this chunk before the range
         left = rows  # values still to write
         while left > 0:
-            base = chunk_at[c] - c0_at
-            end = chunk_at[c + 1] - c0_at
+            base = end
+            end = base + ((chunk_at[c + 1] - chunk_at[c]) & 0xFFFF) * 8
             if row_c < 0:  # alike chunks: 2**log rows each, the last the rest
                 count = min(1 << log, rows_left)
                 rows_left -= count

@@ -35,6 +35,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from slafload.footer import SPAN, STRIDE
+
 MINI_FLAT, RLE, BITPACK, CONSTANT = 1, 2, 3, 4  # page kinds (0 is a 2.0 flat page)
 FL_ORDER = np.array([0, 4, 2, 6, 1, 5, 3, 7], dtype=np.int64)  # FastLanes' row order
 JOB_FIELDS = 13
@@ -77,19 +79,73 @@ _ESCAPES = {"n": 10, "r": 13, "t": 9, "0": 0, "\\": 92, '"': 34, "'": 39}
 
 @dataclass(frozen=True, slots=True)
 class MiniPage:
-    """One mini-block (or constant) page of a column: where its chunks are and what they hold."""
+    """One mini-block (or constant) page of a column: where its chunks are and what they hold.
+
+    Its chunk offsets (bytes from :attr:`data_at`, each chunk's start and then the page's
+    size, all multiples of 8) are kept in 2.25 bytes a chunk instead of 4 or 8: every
+    :data:`~slafload.footer.STRIDE`-th offset whole in :attr:`chunk_base`, and every offset in 8-byte units
+    modulo ``2**16`` in :attr:`chunk_at`. :meth:`offset` gives one back; the decode kernels
+    take slices of :attr:`chunk_at` and add up a chunk's bytes as
+    ``((at[c + 1] - at[c]) & 0xFFFF) * 8``. An open file keeps these tables for as long as it
+    stays open (thousands of files on an atlas: ~3.4 KB a file on the 5M-cell atlas, not 6).
+    """
 
     kind: int
     rows: int
     data_at: int = 0  # file offset of the chunks (the page's second buffer)
-    chunk_at: np.ndarray | None = None  # int32 (or 64)[chunks + 1]: chunk offsets, then the size
+    chunk_at: np.ndarray | None = None  # uint16[chunks + 1]: offsets / 8, modulo 2**16
     chunk_rows: np.ndarray | None = None  # int32 (or 64)[chunks + 1]: first rows, then the rows
     header: int = 0  # bytes from a chunk's start to its first value buffer
     size_bytes: int = 0  # width of the buffer sizes in a chunk's header (2 or 4)
     constant: int = 0  # CONSTANT: the value's bits
     log: int = 0  # > 0: every chunk but the last holds 2**log rows, the last the rest (at most
     # as many), and chunk_rows is None: what Lance writes, and half the memory an open file's
-    # pages keep (~6 KB a file on the 5M atlas, 3,816 files)
+    # pages keep
+    chunk_base: np.ndarray | None = None  # int32[(chunks + STRIDE) // STRIDE]: offsets 0, 16...
+
+    def offset(self, c: int) -> int:
+        """The byte offset of chunk ``c`` from :attr:`data_at` (``c`` = chunks: the size)."""
+        assert self.chunk_base is not None and self.chunk_at is not None
+        base = self.chunk_base.item(c // STRIDE)
+        return base + (((self.chunk_at.item(c) - (base >> 3)) & 0xFFFF) << 3)
+
+
+def table_size(n_offsets: int) -> int:
+    """``int32`` entries of the chunk table of a page of ``n_offsets`` chunk offsets (its
+    chunks + 1): its log, a checkpoint every :data:`~slafload.footer.STRIDE` offsets, the
+    offsets two by two.
+    """
+    return 1 + (n_offsets + STRIDE - 1) // STRIDE + (n_offsets + 1) // 2
+
+
+def pack_table(log: int, offsets: np.ndarray) -> np.ndarray | None:
+    """The chunk table (``int32[table_size(len(offsets))]``) of a page whose chunk offsets
+    are ``offsets`` (bytes, multiples of 8, from 0 to its size) and whose chunks hold
+    ``2**log`` rows (0: kept in :attr:`MiniPage.chunk_rows`); the footer walk writes the same
+    (:func:`slafload.footer.walk`). ``None`` where it cannot hold them: a page of 2 GiB or
+    more, or a chunk, or a checkpoint's chunks, of :data:`~slafload.footer.SPAN` bytes or
+    more (Lance's fixed-width chunks are at most ~32 KiB: 4,096 eight-byte values).
+    """
+    n = len(offsets)
+    base = offsets[::STRIDE]
+    if offsets[-1] >= 2**31 or (n > 1 and int(np.diff(offsets).max()) >= SPAN):
+        return None
+    if int((offsets - np.repeat(base, STRIDE)[:n]).max()) >= SPAN:
+        return None
+    table = np.zeros(table_size(n), np.int32)
+    table[0] = log
+    table[1 : 1 + len(base)] = base
+    table[1 + len(base) :].view(np.uint16)[:n] = np.bitwise_and(np.right_shift(offsets, 3), 0xFFFF)
+    return table
+
+
+def unpack_table(table: np.ndarray, n_offsets: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """A chunk table's log, :attr:`~MiniPage.chunk_base` and :attr:`~MiniPage.chunk_at`
+    (views of ``table``, ``int32``, which may run on past this table).
+    """
+    m = (n_offsets + STRIDE - 1) // STRIDE
+    words = table[1 + m : 1 + m + (n_offsets + 1) // 2]
+    return int(table[0]), table[1 : 1 + m], words.view(np.uint16)[:n_offsets]
 
 
 class Layout(NamedTuple):
@@ -164,12 +220,15 @@ def load(fd: int, layout: Layout, buffers: list[tuple[int, int]], rows: int) -> 
         return None
     chunk_at *= 8
     log = alike_log(logs, last)
+    table = pack_table(log, chunk_at)
+    if table is None:
+        return None
     if log:
-        return mini_page(layout, rows, data_at, _compact(chunk_at), None, log)
+        return mini_page(layout, rows, data_at, table, len(chunk_at), None)
     chunk_rows = np.empty(len(words) + 1, np.int64)
     chunk_rows[0] = 0
     np.add.accumulate(counts, out=chunk_rows[1:])
-    return mini_page(layout, rows, data_at, _compact(chunk_at), _compact(chunk_rows))
+    return mini_page(layout, rows, data_at, table, len(chunk_at), _compact(chunk_rows))
 
 
 def alike_log(logs: np.ndarray, last: int) -> int:
@@ -185,19 +244,22 @@ def alike_log(logs: np.ndarray, last: int) -> int:
     return first
 
 
-def mini_page(layout: Layout, rows: int, data_at: int, chunk_at: np.ndarray,
-              chunk_rows: np.ndarray | None, log: int = 0) -> MiniPage:  # fmt: skip
-    """The :class:`MiniPage` of a page laid out as ``layout``, given its chunk tables
-    (``chunk_rows`` ``None`` where ``log`` says how many rows its chunks hold).
+def mini_page(layout: Layout, rows: int, data_at: int, table: np.ndarray, n_offsets: int,
+              chunk_rows: np.ndarray | None) -> MiniPage:  # fmt: skip
+    """The :class:`MiniPage` of a page laid out as ``layout``, given its chunk ``table``
+    (:func:`pack_table`; views of it are kept) of ``n_offsets`` offsets, and ``chunk_rows``
+    where its log is 0.
     """
     size_bytes = 4 if layout.large else 2
     header = -(-(2 + size_bytes * layout.n_buffers) // 8) * 8
-    return MiniPage(layout.kind, rows, data_at, chunk_at, chunk_rows, header, size_bytes, log=log)
+    log, base, at = unpack_table(table, n_offsets)
+    return MiniPage(layout.kind, rows, data_at, at, chunk_rows, header, size_bytes, log=log,
+                    chunk_base=base)  # fmt: skip
 
 
 def _compact(prefix: np.ndarray) -> np.ndarray:
-    """A chunk table as ``int32`` where it fits (every page of every open file keeps two:
-    ~12 KB a file instead of ~24 KB at 5M cells, ~50 MB less over 3,816 files).
+    """A page's chunks' first rows as ``int32`` where they fit (kept only for pages whose
+    chunks are not alike).
     """
     return prefix.astype(np.int32 if prefix[-1] < 2**31 else np.int64)
 
@@ -224,14 +286,14 @@ def decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
         if kind == CONSTANT:
             target[:] = constant & ((1 << 8 * width) - 1)
             continue
-        written, c = 0, c0
+        written, c, end = 0, c0, scratch_at
         while written < rows:
-            base = scratch_at + int(chunk_at[c] - chunk_at[c0])
+            base, end = end, end + (int(chunk_at[c + 1] - chunk_at[c]) & 0xFFFF) * 8
             if r0 < 0:  # alike chunks: 2**log rows each, the last the rest
                 count = min(1 << log, tail - ((c - c0) << log))
             else:
                 count = int(chunk_rows[r0 + c - c0 + 1] - chunk_rows[r0 + c - c0])
-            chunk = scratch[base : scratch_at + int(chunk_at[c + 1] - chunk_at[c0])]
+            chunk = scratch[base:end]
             values = _decode_chunk(chunk, kind, dtype, header, size_bytes, count)
             lo = skip if c == c0 else 0
             n = min(count - lo, rows - written)

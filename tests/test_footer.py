@@ -17,6 +17,7 @@ from slafload.data_files import DataFiles
 from slafload.flat_pages import FlatFile, FlatFiles, FlatRange, read_ranges
 from slafload.footer import BAD, FULL, MORE, open_footers, read_footer, walk
 from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
+from slafload.miniblock import MiniPage, unpack_table
 from slafload.reader import COLUMNS
 
 needs_numba = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
@@ -206,7 +207,9 @@ def test_chunk_tables_compiled_and_in_numpy_are_the_same(tmp_path, version, numb
                 for a, b in zip(ours.mini, theirs.mini, strict=True):
                     assert a.kind == b.kind and a.data_at == b.data_at and a.header == b.header
                     assert a.log == b.log, name
-                    for x, y in [(a.chunk_at, b.chunk_at), (a.chunk_rows, b.chunk_rows)]:
+                    pairs = [(a.chunk_at, b.chunk_at), (a.chunk_base, b.chunk_base),
+                             (a.chunk_rows, b.chunk_rows)]  # fmt: skip
+                    for x, y in pairs:
                         assert (x is None) == (y is None), name
                         if x is not None:
                             assert x.dtype == y.dtype and np.array_equal(x, y), name
@@ -292,8 +295,11 @@ def test_files_opened_by_the_compiled_walk_give_the_same_footers_and_no_stray_de
             for _, pages in found.columns():  # each file's tables, not the one before's
                 for page in (p for p in pages if p.tables_at >= 0):
                     chunks = page.sizes[0] // (4 if page.large else 2)
-                    log, *offsets = found.tables[page.tables_at : page.tables_at + chunks + 2]
+                    log, base, at = unpack_table(found.tables[page.tables_at :], chunks + 1)
+                    offsets = [MiniPage(0, 0, chunk_at=at, chunk_base=base).offset(c)
+                               for c in range(chunks + 1)]  # fmt: skip
                     assert offsets[0] == 0 and offsets[-1] == page.sizes[1]
+                    assert np.all(np.diff(offsets) > 0)
                     assert (chunks - 1) << log < page.rows <= chunks << log
         finally:
             os.close(fd)

@@ -103,6 +103,9 @@ def shapes(rng: np.random.Generator, version: str) -> dict[str, tuple[dict[str, 
         longs = {"u64_runs": np.repeat(rng.integers(0, 2**62, 400, dtype=np.uint64), 30),
                  "i64": rng.integers(-3, 1_000, 12_000).astype(np.int64)}  # fmt: skip
         out["longs"] = (longs, {})
+    # A page of over 2**16 eight-byte units: its chunk offsets wrap in MiniPage.chunk_at.
+    wide = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    out["past_512k"] = ({"u32": wide}, {})
     return out
 
 
@@ -133,6 +136,47 @@ def test_every_page_layout_reads_as_lance_reads_it(tmp_path, kernels, version):
         for (_, a, m), got in zip(ranges, read_ranges(ranges, kernels), strict=True):
             assert got.equals(table.slice(a, m)), (name, a, m)
         flat.close()
+
+
+def test_chunk_tables_give_back_every_offset():
+    """A page's chunk offsets, kept as a checkpoint every 16 and the rest in 8-byte units
+    modulo 2**16 (2.25 bytes a chunk), come back exactly, and so does each chunk's size as
+    the decode kernels take it; chunks, or a checkpoint's chunks, of 512 KiB or more and pages
+    of 2 GiB are refused (Lance's reader then reads the file)."""
+    rng = np.random.default_rng(31)
+    for n_chunks in [1, 2, 15, 16, 17, 31, 32, 33, 1_024, 1_025, 4_097]:
+        for top in [8, 4_096, 32_768]:
+            sizes = rng.integers(1, top // 8 + 1, n_chunks) * 8
+            offsets = np.concatenate([[0], np.cumsum(sizes)])
+            table = miniblock.pack_table(10, offsets)
+            assert table is not None and len(table) == miniblock.table_size(n_chunks + 1)
+            log, base, at = miniblock.unpack_table(table, n_chunks + 1)
+            page = miniblock.MiniPage(miniblock.BITPACK, 0, chunk_at=at, chunk_base=base)
+            assert log == 10 and at.dtype == np.uint16 and base.dtype == np.int32
+            assert [page.offset(c) for c in range(n_chunks + 1)] == offsets.tolist()
+            assert np.array_equal((np.diff(at.astype(np.int64)) & 0xFFFF) * 8, sizes)
+    assert miniblock.pack_table(10, np.array([0, 1 << 19], np.int64)) is None  # a chunk
+    spread = np.arange(17, dtype=np.int64) * (40 << 10)  # 16 chunks of 40 KiB after offset 0
+    assert miniblock.pack_table(10, spread) is None
+    assert miniblock.pack_table(10, spread[:13]) is not None  # 480 KiB after it
+    assert miniblock.pack_table(10, np.array([0, 8, 2**31], np.int64)) is None
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_page_past_512_kib_wraps_its_chunk_offsets_and_reads_exactly(tmp_path, kernels, version):
+    columns, options = shapes(np.random.default_rng(32), version)["past_512k"]
+    table = write(tmp_path / "wide.lance", columns, version, **options)
+    flat = FlatFile.open(str(tmp_path / "wide.lance"), table.column_names)
+    assert flat is not None
+    (page,) = flat._columns[0].mini
+    assert page.chunk_at is not None and page.offset(len(page.chunk_at) - 1) > 1 << 19
+    assert (np.diff(page.chunk_at.astype(np.int64)) < 0).any()  # the units wrapped
+    n = table.num_rows
+    ranges = [FlatRange(flat, a, m) for a, m in [(0, n), (1, n - 2), (70_000, 90_000),
+                                                 (n - 5_000, 5_000), (123_457, 1)]]  # fmt: skip
+    for (_, a, m), got in zip(ranges, read_ranges(ranges, kernels), strict=True):
+        assert got.equals(table.slice(a, m)), (a, m)
+    flat.close()
 
 
 @pytest.mark.parametrize("version", VERSIONS)
