@@ -502,6 +502,7 @@ def _load_pages(
     are not alike) read and built by :func:`miniblock.load`.
     """
     out = []
+    words = tables.view(np.uint16)  # every page's offsets are a view of it
     for layout, buffers, rows, at in pages:
         if at == -2:
             return None
@@ -511,7 +512,8 @@ def _load_pages(
                 return None
         else:
             n = buffers[0][1] // (4 if layout.large else 2) + 1  # chunks + 1 offsets
-            page = miniblock.mini_page(layout, rows, buffers[1][0], tables[at:], n, None)
+            table = miniblock.unpack_table(tables, at, n, words)
+            page = miniblock.mini_page(layout, rows, buffers[1][0], table, None)
         out.append(page)
     return out
 

@@ -141,13 +141,16 @@ def pack_table(log: int, offsets: np.ndarray) -> np.ndarray | None:
     return table
 
 
-def unpack_table(table: np.ndarray, n_offsets: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """A chunk table's log, :attr:`~MiniPage.chunk_base` and :attr:`~MiniPage.chunk_at`
-    (views of ``table``, ``int32``, which may run on past this table).
+def unpack_table(table: np.ndarray, at: int, n_offsets: int,
+                 words: np.ndarray | None = None) -> tuple[int, np.ndarray, np.ndarray]:  # fmt: skip
+    """The log, :attr:`~MiniPage.chunk_base` and :attr:`~MiniPage.chunk_at` of the chunk table
+    of ``n_offsets`` offsets at ``table[at:]`` (views of ``table``; ``words``, if given, is
+    ``table.view(np.uint16)``, made once for a file's pages).
     """
     m = (n_offsets + STRIDE - 1) // STRIDE
-    words = table[1 + m : 1 + m + (n_offsets + 1) // 2]
-    return int(table[0]), table[1 : 1 + m], words.view(np.uint16)[:n_offsets]
+    first = 2 * (at + 1 + m)
+    words = table.view(np.uint16) if words is None else words
+    return table.item(at), table[at + 1 : at + 1 + m], words[first : first + n_offsets]
 
 
 class Layout(NamedTuple):
@@ -225,12 +228,13 @@ def load(fd: int, layout: Layout, buffers: list[tuple[int, int]], rows: int) -> 
     table = pack_table(log, chunk_at)
     if table is None:
         return None
+    views = unpack_table(table, 0, len(chunk_at))
     if log:
-        return mini_page(layout, rows, data_at, table, len(chunk_at), None)
+        return mini_page(layout, rows, data_at, views, None)
     chunk_rows = np.empty(len(words) + 1, np.int64)
     chunk_rows[0] = 0
     np.add.accumulate(counts, out=chunk_rows[1:])
-    return mini_page(layout, rows, data_at, table, len(chunk_at), _compact(chunk_rows))
+    return mini_page(layout, rows, data_at, views, _compact(chunk_rows))
 
 
 def alike_log(logs: np.ndarray, last: int) -> int:
@@ -246,15 +250,15 @@ def alike_log(logs: np.ndarray, last: int) -> int:
     return first
 
 
-def mini_page(layout: Layout, rows: int, data_at: int, table: np.ndarray, n_offsets: int,
+def mini_page(layout: Layout, rows: int, data_at: int,
+              table: tuple[int, np.ndarray, np.ndarray],
               chunk_rows: np.ndarray | None) -> MiniPage:  # fmt: skip
     """The :class:`MiniPage` of a page laid out as ``layout``, given its chunk ``table``
-    (:func:`pack_table`; views of it are kept) of ``n_offsets`` offsets, and ``chunk_rows``
-    where its log is 0.
+    (:func:`unpack_table`'s log and views), and ``chunk_rows`` where its log is 0.
     """
     size_bytes = 4 if layout.large else 2
     header = -(-(2 + size_bytes * layout.n_buffers) // 8) * 8
-    log, base, at = unpack_table(table, n_offsets)
+    log, base, at = table
     return MiniPage(layout.kind, rows, data_at, at, chunk_rows, header, size_bytes, log=log,
                     chunk_base=base)  # fmt: skip
 

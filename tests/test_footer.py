@@ -295,7 +295,7 @@ def test_files_opened_by_the_compiled_walk_give_the_same_footers_and_no_stray_de
             for _, pages in found.columns():  # each file's tables, not the one before's
                 for page in (p for p in pages if p.tables_at >= 0):
                     chunks = page.sizes[0] // (4 if page.large else 2)
-                    log, base, at = unpack_table(found.tables[page.tables_at :], chunks + 1)
+                    log, base, at = unpack_table(found.tables, page.tables_at, chunks + 1)
                     offsets = [MiniPage(0, 0, chunk_at=at, chunk_base=base).offset(c)
                                for c in range(chunks + 1)]  # fmt: skip
                     assert offsets[0] == 0 and offsets[-1] == page.sizes[1]

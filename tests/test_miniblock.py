@@ -150,7 +150,7 @@ def test_chunk_tables_give_back_every_offset():
             offsets = np.concatenate([[0], np.cumsum(sizes)])
             table = miniblock.pack_table(10, offsets)
             assert table is not None and len(table) == miniblock.table_size(n_chunks + 1)
-            log, base, at = miniblock.unpack_table(table, n_chunks + 1)
+            log, base, at = miniblock.unpack_table(table, 0, n_chunks + 1)
             page = miniblock.MiniPage(miniblock.BITPACK, 0, chunk_at=at, chunk_base=base)
             assert log == 10 and at.dtype == np.uint16 and base.dtype == np.int32
             assert [page.offset(c) for c in range(n_chunks + 1)] == offsets.tolist()
