@@ -7,6 +7,7 @@ import argparse
 import pytest
 from conftest import load_script
 
+import slafload.synthetic
 from slafload.tools.bench import ensure_atlas
 
 
@@ -146,3 +147,19 @@ def test_the_scale_benchmark_reports_medians_and_rss_growth_by_atlas_size(tmp_pa
     )
     assert medians[(large, "1x64")]["cells_per_s"] == 200.0
     assert summary["rss_growth"] == {"1x64": 800 / 700}  # chunk failed on the small atlas
+
+
+def test_open_files_opens_every_data_file_for_each_contender(tmp_path):
+    pytest.importorskip("numba")  # 2.1+ files are read flat by the compiled footer walk
+    module = load_script("benchmarks/open_files.py")
+    path = tmp_path / "files.slaf"
+    slafload.synthetic.write_atlas(path, n_cells=400, n_genes=300, mean_nnz=40,
+                                   max_rows_per_file=2_000, seed=3)  # fmt: skip
+    results = [module.child(str(path), c, None) for c in module.CONTENDERS]
+    for got in results:
+        assert got["files"] == got["opened"] >= 5, got
+        assert got["ms_per_open"] > 0
+    assert results[0]["flat"] >= results[0]["files"] - 1  # the last file may have a layout more
+    module.table({"results": results})
+    module.draw({"results": results}, tmp_path / "open_files.png")
+    assert (tmp_path / "open_files.png").stat().st_size > 0
