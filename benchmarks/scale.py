@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeat", type=int, default=1, help="runs per contender (medians)")
     p.add_argument("--child-timeout", type=float, default=240)
     p.add_argument("--settings", default="{}", help="LoaderConfig settings as JSON")
-    p.add_argument("--plan-cells", default="100000000,1000000000")
+    p.add_argument("--plan-cells", default="100000000,1000000000", help='"" plans none')
     p.add_argument("--note", default="", help="what else ran on the machine")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"{spec} on {atlas}: {r['error'][-300:]}", file=sys.stderr)
     plans = [
         plan_cost(int(n), spec, args.batch_size)
-        for n in args.plan_cells.split(",")
+        for n in filter(None, args.plan_cells.split(","))  # --plan-cells "": none
         for spec in ("chunk", "1x64", "16x256", "64x1024")
     ]
     report = {
