@@ -258,10 +258,10 @@ def walk(
                 both = int(tables[k]) | (units << 16)
                 tables[k] = both - (1 << 32) if both >= 1 << 31 else both
             if c < chunks:
-                size = ((chunk_word(c, width) >> 4) + 1) * 8
-                if size >= SPAN:
+                chunk_bytes = ((chunk_word(c, width) >> 4) + 1) * 8
+                if chunk_bytes >= SPAN:
                     return -1
-                offset += size
+                offset += chunk_bytes
         return 1
 
     at = n_tail - FOOTER_SIZE
@@ -415,16 +415,16 @@ def walk(
                 width = 4 if rec[page + 10] else 2
                 chunks = words_size // width
                 used = rec[7]
-                size = 1 + (chunks + STRIDE) // STRIDE + (chunks + 2) // 2  # its table's int32s
+                table_ints = 1 + (chunks + STRIDE) // STRIDE + (chunks + 2) // 2
                 if (
                     0 < words_size <= len(words)
                     and words_size % width == 0
-                    and used + size <= len(tables)
+                    and used + table_ints <= len(tables)
                     and max(data_size, rows) < 2**31
                 ):
                     ok = tables_of(words_at, words_size, data_size, rows, width, used)
                     rec[page + 11] = used if ok > 0 else -1 if ok < 0 else -2
-                    rec[7] = used + size if ok > 0 else used
+                    rec[7] = used + table_ints if ok > 0 else used
             page = m + 2 * rec[page + 3]
 
 
