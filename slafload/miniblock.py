@@ -85,8 +85,7 @@ class MiniPage:
     size, all multiples of 8) are kept in 2.25 bytes a chunk instead of 4 or 8: every
     :data:`~slafload.footer.STRIDE`-th offset whole in :attr:`chunk_base`, and every offset
     in 8-byte units modulo ``2**16`` in :attr:`chunk_at`. :meth:`offset` gives one back; the
-    decode kernels
-    take slices of :attr:`chunk_at` and add up a chunk's bytes as
+    decode kernels take slices of :attr:`chunk_at` and add up a chunk's bytes as
     ``((at[c + 1] - at[c]) & 0xFFFF) * 8``. An open file keeps these tables for as long as it
     stays open (thousands on an atlas: the three expression columns' tables of a 5M-atlas
     file hold 3.5 KB, not 6.2).
