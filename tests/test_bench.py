@@ -163,3 +163,38 @@ def test_open_files_opens_every_data_file_for_each_contender(tmp_path):
     module.table({"results": results})
     module.draw({"results": results}, tmp_path / "open_files.png")
     assert (tmp_path / "open_files.png").stat().st_size > 0
+
+
+def test_rss_breakdown_splits_a_real_run_and_subtracts_the_smallest_atlas(tmp_path):
+    module = load_script("benchmarks/rss_breakdown.py")
+    small, large = tmp_path / "small.slaf", tmp_path / "large.slaf"
+    slafload.synthetic.write_atlas(small, n_cells=300, n_genes=200, mean_nnz=20,
+                                   max_rows_per_file=1_000, seed=1)  # fmt: skip
+    slafload.synthetic.write_atlas(large, n_cells=1_200, n_genes=200, mean_nnz=20,
+                                   max_rows_per_file=1_000, seed=2)  # fmt: skip
+    report = module.main(["--atlas", str(large), "--atlas", str(small), "--spec", "1x16",
+                          "--cells", "400", "--batch-size", "8", "--max-genes", "32",
+                          "--out", str(tmp_path / "rss.json")])  # fmt: skip
+    assert [r["dataset"] for r in report["runs"]] == [str(large), str(small)]
+    for run in report["runs"]:
+        assert "error" not in run, run.get("error")
+        at = run["at_sampled_peak"]
+        assert run["cells"] >= 400 and at["cells"] >= 8
+        parts = at["smaps"]
+        assert parts["file_backed"] > 0 and parts["anon"] > 0
+        # The mappings add up to the sampled RSS (both read at the same moment, give or take
+        # the pages touched in between).
+        assert abs(sum(parts.values()) - at["rss_mb"]) < 0.05 * at["rss_mb"]
+        assert run["peak_rss_mb"] >= 0.95 * at["rss_mb"]
+        if at["malloc"] is not None:
+            assert at["malloc"]["arena"] >= at["malloc"]["in_use"] > 0
+    summary = report["summary"]
+    cells = {r["dataset"]: r["n_cells"] for r in report["runs"]}
+    assert cells == {str(large): 1_200, str(small): 300}
+    offsets = summary["largest_less_smallest"]["cell_offsets_mb"]
+    assert offsets == pytest.approx((1_200 - 300) * 2.25 / 2**20, rel=0.05)
+    assert summary["rss_growth"] == pytest.approx(
+        summary["medians"][str(large)]["peak_rss_mb"]
+        / summary["medians"][str(small)]["peak_rss_mb"]
+    )
+    assert (tmp_path / "rss.png").stat().st_size > 0
