@@ -9,6 +9,11 @@ changes.
   own threads (private; no public equivalent streams ranges in order).
 - ``lance.file.LanceFileSession`` (newer pylance only): one object-store client shared by the
   file readers of a dataset; older releases open each file reader with its own client.
+- ``DataFile._path`` (private): a data file's path. The public ``DataFile.path`` builds a new
+  ``str`` subclass on every access (so the deprecated call form ``path()`` still works): a
+  class of ~2.7 KB a data file for the cyclic collector to free. Listing a 5M-cell atlas's
+  3,816 files took 38 ms so and takes 14 ms without (``DataFiles.of``, before the first
+  batch; ~0.5 s less by extrapolation on a 100M-cell atlas of ~76k files).
 - ``LazyFrame.collect(background=True)``: runs a query on Polars' thread pool and returns a
   handle (documented as unstable), so Polars ranks one piece while numpy tokenizes another.
 """
@@ -42,6 +47,14 @@ class BackgroundQuery(Protocol):
     def fetch_blocking(self) -> pl.DataFrame:
         """Wait for the query and return its result."""
         ...
+
+
+def data_file_path(data: Any) -> str:
+    """The path of ``data`` (a ``lance.fragment.DataFile``) relative to the table's ``data/``,
+    read without building the class ``DataFile.path`` builds on every access.
+    """
+    path = vars(data).get("_path") if hasattr(data, "__dict__") else None
+    return path if isinstance(path, str) else str(data.path)
 
 
 def collect_in_background(query: pl.LazyFrame) -> BackgroundQuery:

@@ -49,7 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from lance.file import LanceFileReader
 
-from slafload._compat import file_session
+from slafload._compat import data_file_path, file_session
 from slafload.buffers import BytePool
 from slafload.flat_pages import V2_0, V2_1, FlatFile, FlatFiles, FlatRange, read_ranges
 from slafload.kernels import NUMPY, Kernels
@@ -267,7 +267,7 @@ class DataFiles:
                 fields = list(data.fields)
             elif list(data.fields) != fields:
                 return None
-            paths.append(f"{expression.uri.rstrip('/')}/data/{data.path}")
+            paths.append(f"{expression.uri.rstrip('/')}/data/{data_file_path(data)}")
             rows.append(meta.physical_rows)
             versions.append((data.file_major_version, data.file_minor_version))
             readable = readable or versions[-1] in V2_0 or (mini and versions[-1] in V2_1)

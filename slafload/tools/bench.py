@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 import slafload
+from slafload._compat import data_file_path
 from slafload.chain import ChainSpec, build_chain
 from slafload.epochs import Run
 from slafload.kernels import Kernels
@@ -219,7 +220,11 @@ def raw_floor(ds: slafload.SlafDataset, target: int, clock: Clock | None = None)
 def warm_page_cache(ds: slafload.SlafDataset) -> str:
     """Read the expression table once where it fits in half the RAM; what was done."""
     fragments = ds.expression.get_fragments()
-    paths = [Path(ds.expression.uri, "data", d.path) for f in fragments for d in f.metadata.files]
+    paths = [
+        Path(ds.expression.uri, "data", data_file_path(d))
+        for f in fragments
+        for d in f.metadata.files
+    ]
     if "://" in ds.uri or not all(p.exists() for p in paths):
         return "not warmed (not a local table)"
     size = sum(p.stat().st_size for p in paths)

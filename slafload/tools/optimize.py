@@ -44,6 +44,7 @@ from typing import Any, Final, Literal, get_args
 import lance
 import pyarrow as pa
 
+from slafload._compat import data_file_path
 from slafload.data_files import file_versions
 from slafload.dataset import open_dataset
 from slafload.tools.progress import progress_bar
@@ -172,7 +173,7 @@ def _summary(table: lance.LanceDataset) -> tuple[str, int, int]:
     sizes = [
         f.file_size_bytes
         if f.file_size_bytes is not None or "://" in data
-        else os.path.getsize(data + f.path)
+        else os.path.getsize(data + data_file_path(f))
         for f in files
     ]
     return storage, len(files), sum(s or 0 for s in sizes)
