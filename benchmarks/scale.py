@@ -27,6 +27,12 @@ timing decides how much is in flight, and the allocator's arenas), which is half
 which the 5M and 500k peaks may differ. ``summary`` also gives, per sampler, the largest
 atlas's median peak RSS over the smallest's (``rss_growth``).
 
+Before the contenders, one short child (a fetch of ChunkShuffle on the last atlas, not
+reported) fills numba's on-disk cache, so no contender compiles a kernel: a process that
+compiles keeps ~85 MB more for its life (slafload/kernels.py), and the first contender after
+a checkout or an upgrade did so (round 21's two unexplained ~1.0 GB peaks of ``(1, 256)`` at
+5M; docs/sampling.md, round 22).
+
 The parent also times building an epoch's plan at 100M and 1B cells (index arithmetic only:
 ``sampler.plan``, rank sharding, the first fetch) with its ``tracemalloc`` peak.
 
@@ -232,6 +238,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     jobs = [  # rounds of every contender, sizes interleaved per contender
         (k, a, s) for k in range(args.repeat) for s in specs for a in atlases
     ]
+    warm = argparse.Namespace(**{**vars(args), "fetches": 1, "min_cells": 0, "warm_cells": 0})
+    run_child(atlases[-1], "chunk", warm, settings)  # fills numba's cache; not reported
     for k, atlas, spec in progress(jobs, desc="contenders"):
         r = {**run_child(atlas, spec, args, settings), "round": k}
         runs.append(r)

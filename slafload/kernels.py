@@ -10,15 +10,19 @@ installed (``pip install slafload[fast]``), :class:`Kernels` runs each as one co
 piece that releases the GIL for its whole duration; the numpy code stays the reference, and
 the tokens are identical either way (tests compare both on the same data).
 
-Compiling costs 0.2-1 s per kernel and argument types the first time a machine uses it, and a
-process's first kernel 0.3-0.5 s for numba's start-up once they are in numba's on-disk cache
+Compiling costs 0.1-2.3 s per kernel and argument types the first time a machine uses it (the
+footer walk, :func:`slafload.footer.walk_many`, ~17 s: :func:`warm_up` ~23 s on 2 cores), and
+a process's first kernel 0.3-0.5 s for numba's start-up once they are in numba's on-disk cache
 (then milliseconds each). A loader's kernels compile on a background thread of their own, and
 each call runs the numpy code until its compiled version is ready, so the first batch never
 waits for a compiler; the loader runs slower for that first second, the compiler holding the
 GIL much of it (:func:`warm_up` does that work up front). ``backend="numba"`` waits instead:
 every call is compiled, which tests use. ``LoaderConfig.kernels`` picks the backend;
-``"auto"`` (the default) uses numba when it is installed. numba and LLVM add ~100 MB to the
-process.
+``"auto"`` (the default) uses numba when it is installed. numba and LLVM add ~120 MB to the
+process with the kernels loaded from the cache. Compiled in the process instead, they add ~85
+MB more: LLVM frees most of what it used (~160 MB for the footer walk alone), and each compile
+hands that back to the system (glibc's ``malloc_trim``), where glibc would otherwise keep it
+for the life of the process (+223 MB after :func:`warm_up` against a cached start, not +85).
 """
 
 from __future__ import annotations
@@ -245,7 +249,8 @@ def _prepare(name: str, args: tuple) -> Any:
 
 def _compile(key: tuple) -> Any:
     """The numba dispatcher of kernel ``key[0]``, compiled for argument types ``key[1:]``
-    (once per process: :data:`_COMPILED`).
+    (once per process: :data:`_COMPILED`). Compiled rather than loaded from numba's cache, it
+    hands the memory LLVM freed back to the system (see the module docstring).
     """
     import numba
 
@@ -256,6 +261,8 @@ def _compile(key: tuple) -> Any:
     except RuntimeError:  # "no locator available": nowhere writable, so compile every time
         dispatcher = numba.njit(nogil=True)(_KERNELS[key[0]])  # type: ignore[type-var]
     dispatcher.compile(key[1:])  # type: ignore[misc]
+    if not dispatcher.stats.cache_hits and _MALLOC_TRIM is not None:  # compiled, not loaded
+        _MALLOC_TRIM(0)
     return _COMPILED.setdefault(key, dispatcher)
 
 
@@ -324,17 +331,20 @@ def _quantile_bins(values: np.ndarray, indptr: np.ndarray, n_bins: int, offset: 
             out[i] = k + offset
 
 
-def _has_libc_pread() -> bool:
-    """Whether this process has libc's ``pread`` (not on Windows)."""
+def _libc(name: str) -> Any:
+    """The C library's function ``name`` as ctypes calls it, or ``None`` where it has none
+    (not on Windows; ``malloc_trim`` is glibc's only).
+    """
     if sys.platform == "win32":
-        return False
+        return None
     try:
-        return ctypes.CDLL(None).pread is not None
-    except (OSError, AttributeError):
-        return False
+        return getattr(ctypes.CDLL(None), name, None)
+    except OSError:
+        return None
 
 
-_HAS_PREAD = _has_libc_pread()
+_HAS_PREAD = _libc("pread") is not None
+_MALLOC_TRIM = _libc("malloc_trim")
 _pread: Any = None
 """libc's ``pread(int, void *, size_t, off_t) -> ssize_t`` as numba calls it: declared by
 :func:`_import_numba` as an external function found by its name when the kernel is loaded, not
