@@ -16,9 +16,8 @@ Each (atlas, round) runs in a fresh process (``--child``) and reads ``--cells`` 
 every batch, and the breakdown is taken each time RSS passes its maximum so far by 1 MiB.
 ``peak_rss_mb`` is the process's ``ru_maxrss``, which may fall between two samples. A short
 child on the last atlas runs first, unreported, to fill numba's on-disk cache (as in
-scale.py: a child that compiles a kernel keeps ~85 MB more). The
-summary holds each atlas's medians and, per field, the largest atlas's median less the
-smallest's.
+scale.py: a child that compiles a kernel keeps ~85 MB more). The summary holds each atlas's
+medians and, per field, the largest atlas's median less the smallest's.
 
     python benchmarks/rss_breakdown.py --atlas /tmp/atlas5m.slaf --atlas /tmp/atlas500k.slaf \\
         --spec 1x256 --rounds 3

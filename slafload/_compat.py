@@ -53,7 +53,7 @@ def data_file_path(data: Any) -> str:
     """The path of ``data`` (a ``lance.fragment.DataFile``) relative to the table's ``data/``,
     read without building the class ``DataFile.path`` builds on every access.
     """
-    path = vars(data).get("_path") if hasattr(data, "__dict__") else None
+    path = getattr(data, "_path", None)
     return path if isinstance(path, str) else str(data.path)
 
 
