@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 from conftest import load_script
@@ -198,3 +199,15 @@ def test_rss_breakdown_splits_a_real_run_and_subtracts_the_smallest_atlas(tmp_pa
         / summary["medians"][str(small)]["peak_rss_mb"]
     )
     assert (tmp_path / "rss.png").stat().st_size > 0
+
+
+def test_the_default_run_is_quick_and_writes_outside_the_tracked_tree():
+    from slafload.tools.bench import QUICK, _wants_full, parser
+
+    assert not _wants_full([]) and not _wants_full(["--cells", "10"])
+    assert _wants_full(["--no-peers", "--full"])
+    args = parser().parse_args([])
+    assert Path(args.out).parts[0] == "slafload-bench" == Path(args.data).parts[0]
+    assert QUICK["cells"] < args.cells  # --full keeps the parser's own defaults
+    ignored = (Path(__file__).parents[1] / ".gitignore").read_text().splitlines()
+    assert "/slafload-bench/" in ignored
