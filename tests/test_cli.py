@@ -134,12 +134,13 @@ def test_the_installed_console_script_runs_info(tmp_path):
     assert "cells      10" in run.stdout
 
 
-def test_bench_hands_its_arguments_to_the_benchmark(capsys):
+@pytest.mark.parametrize("lead", [[], ["-v"]])
+def test_bench_hands_its_arguments_to_the_benchmark(capsys, lead):
     with pytest.raises(SystemExit) as exited:
-        main(["bench", "--help"])
+        main([*lead, "bench", "--help"])
     assert exited.value.code == 0
     out = capsys.readouterr().out
-    assert "--cells" in out and "--no-peers" in out
+    assert "--cells" in out and "--no-peers" in out and "--full" in out
 
 
 def test_version_prints_the_package_version(capsys):

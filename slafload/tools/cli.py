@@ -167,10 +167,11 @@ def _version() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["bench"]:  # bench owns its arguments
+    lead = 1 if args_list[:1] in (["-v"], ["--verbose"]) else 0
+    if args_list[lead : lead + 1] == ["bench"]:  # bench owns its arguments
         from slafload.tools import bench
 
-        bench.main(args_list[1:], prog="slafload bench")
+        bench.main(args_list[lead + 1 :], prog="slafload bench")
         return 0
     parser = _parser()
     if not args_list:  # bare `slafload`: what it can do
