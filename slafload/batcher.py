@@ -174,10 +174,9 @@ def pinned(array: np.ndarray) -> torch.Tensor:
     hands any tensor of 32,768 elements or more (every stream of a padded batch) to torch's
     intra-op thread pool. Each such copy wakes every OpenMP thread of the process, and they
     spin-wait after it: once per tensor per batch, on the producer. On CPU that copy costs
-    5-13x the CPU of numpy's per padded batch, and 50x on a 16-core H100 host
-    (``benchmarks/pin_copy.py``), where this copy brought padded batches' CPU cost on their
-    way to the GPU from 378 (geneformer) and 616 (scGPT) us per cell down to 37 and 54
-    (docs/layouts.md). The copy here is numpy's, on the calling thread; the memory comes from
+    5-13x the CPU of numpy's per padded batch, and 50x on a 16-core H100 host, where padded
+    batches on their way to the GPU cost 37 (geneformer) and 54 (scGPT) us of CPU per cell
+    with this copy, a tenth of what ``pin_memory()`` cost (docs/layouts.md). The copy here is numpy's, on the calling thread; the memory comes from
     torch's caching pinned allocator, as ``pin_memory()``'s does, so a block is reused only
     after the copies from it have ended.
     """

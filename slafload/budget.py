@@ -34,7 +34,7 @@ SCATTERED_ROWS = 4096
 # between nearby cells, so on a 500k-cell atlas a BlockShuffle(1, 64) fetch was read in ~16
 # groups of ~128 cells, while on a 5M one, whose cells are too far apart for that, in ~3 of
 # ~700: 5M's peak RSS 786-805 MB instead of 731-773 with these groups, and 11% fewer cells/s
-# (docs/sampling.md, round 19).
+# (docs/sampling.md, "First batch and memory").
 GROUP_RANGES = 256
 
 

@@ -138,10 +138,8 @@ class LoaderConfig:
             local Lance 2.1+ files (what converters write) in slafload, by a numba kernel
             (``slafload/miniblock.py``), instead of Lance's decoder: each file's page layouts
             checked when it is opened, the first file's rows compared with Lance's read. On
-            by default (round 15): on the 5M-cell atlas as written, over a run's first 60k
-            cells, while thousands of files are opened, ``BlockShuffle(16, 256)`` runs 1.40x
-            and ``(64, 256)`` 1.38x faster than through Lance's reader (0.53x and 0.94x of
-            ChunkShuffle; about 0.7x and 0.9x once the files are open), scattered single
+            by default: on the 5M-cell atlas as written, ``BlockShuffle(16, 256)`` and
+            ``(64, 256)`` run ~1.4x faster than through Lance's reader, scattered single
             cells 2.8x (docs/sampling.md). ``False`` leaves 2.1+ files to Lance's decoder.
         check_rows: ``"once"`` (default) or ``"always"``. Every expression row's
             ``cell_integer_id`` is compared with the cell ``cell_start_index`` places it in,

@@ -5,8 +5,7 @@ into row *addresses* by listing the pinned version's fragments and walking them 
 (``row_offsets_to_row_addresses`` in Lance's ``dataset/take.rs``), then opens the fragment that
 holds the range. Both costs are paid per range, and the first grows with the number of data
 files: on a 5M-cell atlas (3,816 files) one 16-cell range costs several times what the same
-read costs on a file whose reader is already open (numbers in docs/sampling.md, from
-``benchmarks/range_cost.py``). :class:`DataFiles` does that arithmetic once per pinned version
+read costs on a file whose reader is already open (numbers in docs/sampling.md). :class:`DataFiles` does that arithmetic once per pinned version
 (one ``int64`` per data file) and keeps a bounded LRU cache of ``lance.file.LanceFileReader``
 objects, so a range costs one ``read_range`` on an open file. Local files in Lance's 2.0
 format, whose pages are plain arrays, are opened as :class:`~slafload.flat_pages.FlatFile`
@@ -472,7 +471,7 @@ class DataFiles:
             if isinstance(reader, FlatFile):  # read with the window's other flat ranges
                 return FlatRange(reader, start, rows)
             # One batch per range, so nothing to read ahead: pylance's default of 16 cost
-            # ~5% more CPU per range (benchmarks/results/scale_ab_batch_readahead.json).
+            # ~5% more CPU per range, measured on the 5M-cell atlas.
             return reader.read_range(start, rows, batch_size=rows, batch_readahead=1)
 
     def _entry(self, index: int, cols: tuple[str, ...]) -> _Open:

@@ -10,7 +10,7 @@ a range of rows is one ``preadv`` per column and page straight into a numpy arra
 wraps without a copy: ~0.03 ms for a 16-cell range (12.8k rows, three columns), against
 ~0.15 ms of CPU for the same range through an open ``LanceFileReader.read_range``, whose cost
 is mostly fixed per call (scheduling the read on Lance's runtime, decoding, exporting the
-stream; docs/sampling.md, ``benchmarks/range_cost.py``).
+stream; docs/sampling.md).
 
 Nothing else takes this path: a column whose every page is not exactly the 2.0 encoding
 "no nulls, flat, uncompressed, one page buffer" of the column's own width (or, with

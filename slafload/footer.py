@@ -14,7 +14,7 @@ every file of a read window in one call without the GIL (:func:`open_footers`): 
 file, reads its last 4 KB (a file with more metadata is walked again in Python), walks them
 and builds each mini-block page's chunk tables. A block sampler on a large atlas opens
 thousands of data files in an epoch's first seconds, and each time a read thread took the GIL
-back (about five times per open before round 16) it waited for the other threads' turns.
+back (about five times per open in Python) it waited for the other threads' turns.
 Either way the walk fills one ``int64`` record (:class:`Footer` reads it), every value checked
 against the bytes' bounds: a file this does not read gives :data:`BAD`, never an
 out-of-bounds read.

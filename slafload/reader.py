@@ -5,7 +5,7 @@ it calls.
 
 A fetch is a list of contiguous cell ranges. ``cells.cell_start_index`` turns each into a
 contiguous row range of ``expression.lance``, so no filter is evaluated. How the ranges are
-read depends on their shape (numbers from ``benchmarks/read_paths.py`` and docs/sampling.md):
+read depends on their shape (numbers in docs/sampling.md):
 
 - one range (streaming, chunk shuffle): one Lance scan with ``offset``/``limit``;
 - many ranges (block sampling): ranges whose gaps are short are coalesced into spans (scanning

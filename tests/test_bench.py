@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 from conftest import load_script
 
-import slafload.synthetic
 from slafload.tools.bench import ensure_atlas
 
 
@@ -110,18 +110,6 @@ def test_the_raw_scan_counts_whole_epochs_and_the_cells_of_a_remainder(small_sla
     assert clock.cells == 2 * ds.n_cells + 7
 
 
-def test_device_threads_accounts_the_cpu_of_each_named_thread(small_slaf):
-    module = load_script("benchmarks/device_threads.py")
-    args = argparse.Namespace(batch_size=8, max_genes=16, warmup=200, cells=20_000)
-    row = module.run(small_slaf, "geneformer", "cpu", args)
-    threads = row["cpu_us_per_cell_by_thread"]
-    assert row["cells_per_s"] > 0 and "MainThread" in threads and "slafload-producer" in threads
-    assert not any(name[-1].isdigit() for name in threads)  # pool threads folded by name
-    # The process's CPU is found thread by thread (less any thread that ended inside the
-    # window), none of it twice.
-    assert 0.5 * row["cpu_us_per_cell"] <= sum(threads.values()) <= 1.1 * row["cpu_us_per_cell"]
-
-
 def test_the_scale_benchmark_reports_medians_and_rss_growth_by_atlas_size(tmp_path):
     from pathlib import Path
 
@@ -149,52 +137,13 @@ def test_the_scale_benchmark_reports_medians_and_rss_growth_by_atlas_size(tmp_pa
     assert summary["rss_growth"] == {"1x64": 800 / 700}  # chunk failed on the small atlas
 
 
-def test_open_files_opens_every_data_file_for_each_contender(tmp_path):
-    pytest.importorskip("numba")  # 2.1+ files are read flat by the compiled footer walk
-    module = load_script("benchmarks/open_files.py")
-    path = tmp_path / "files.slaf"
-    slafload.synthetic.write_atlas(path, n_cells=400, n_genes=300, mean_nnz=40,
-                                   max_rows_per_file=2_000, seed=3)  # fmt: skip
-    results = [module.child(str(path), c, None) for c in module.CONTENDERS]
-    for got in results:
-        assert got["files"] == got["opened"] >= 5, got
-        assert got["ms_per_open"] > 0
-    assert results[0]["flat"] >= results[0]["files"] - 1  # the last file may have a layout more
-    module.table({"results": results})
-    module.draw({"results": results}, tmp_path / "open_files.png")
-    assert (tmp_path / "open_files.png").stat().st_size > 0
+def test_the_default_run_is_quick_and_writes_outside_the_tracked_tree():
+    from slafload.tools.bench import QUICK, _wants_full, parser
 
-
-def test_rss_breakdown_splits_a_real_run_and_subtracts_the_smallest_atlas(tmp_path):
-    module = load_script("benchmarks/rss_breakdown.py")
-    small, large = tmp_path / "small.slaf", tmp_path / "large.slaf"
-    slafload.synthetic.write_atlas(small, n_cells=300, n_genes=200, mean_nnz=20,
-                                   max_rows_per_file=1_000, seed=1)  # fmt: skip
-    slafload.synthetic.write_atlas(large, n_cells=1_200, n_genes=200, mean_nnz=20,
-                                   max_rows_per_file=1_000, seed=2)  # fmt: skip
-    report = module.main(["--atlas", str(large), "--atlas", str(small), "--spec", "1x16",
-                          "--cells", "400", "--batch-size", "8", "--max-genes", "32",
-                          "--out", str(tmp_path / "rss.json")])  # fmt: skip
-    assert [r["dataset"] for r in report["runs"]] == [str(large), str(small)]
-    for run in report["runs"]:
-        assert "error" not in run, run.get("error")
-        at = run["at_sampled_peak"]
-        assert run["cells"] >= 400 and at["cells"] >= 8
-        parts = at["smaps"]
-        assert parts["file_backed"] > 0 and parts["anon"] > 0
-        # The mappings add up to the sampled RSS (both read at the same moment, give or take
-        # the pages touched in between).
-        assert abs(sum(parts.values()) - at["rss_mb"]) < 0.05 * at["rss_mb"]
-        assert run["peak_rss_mb"] >= 0.95 * at["rss_mb"]
-        if at["malloc"] is not None:
-            assert at["malloc"]["arena"] >= at["malloc"]["in_use"] > 0
-    summary = report["summary"]
-    cells = {r["dataset"]: r["n_cells"] for r in report["runs"]}
-    assert cells == {str(large): 1_200, str(small): 300}
-    offsets = summary["largest_less_smallest"]["cell_offsets_mb"]
-    assert offsets == pytest.approx((1_200 - 300) * 2.25 / 2**20, rel=0.05)
-    assert summary["rss_growth"] == pytest.approx(
-        summary["medians"][str(large)]["peak_rss_mb"]
-        / summary["medians"][str(small)]["peak_rss_mb"]
-    )
-    assert (tmp_path / "rss.png").stat().st_size > 0
+    assert not _wants_full([]) and not _wants_full(["--cells", "10"])
+    assert _wants_full(["--no-peers", "--full"])
+    args = parser().parse_args([])
+    assert Path(args.out).parts[0] == "slafload-bench" == Path(args.data).parts[0]
+    assert QUICK["cells"] < args.cells  # --full keeps the parser's own defaults
+    ignored = (Path(__file__).parents[1] / ".gitignore").read_text().splitlines()
+    assert "/slafload-bench/" in ignored

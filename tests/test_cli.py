@@ -134,9 +134,69 @@ def test_the_installed_console_script_runs_info(tmp_path):
     assert "cells      10" in run.stdout
 
 
-def test_bench_hands_its_arguments_to_the_benchmark(capsys):
+@pytest.mark.parametrize("lead", [[], ["-v"]])
+def test_bench_hands_its_arguments_to_the_benchmark(capsys, lead):
     with pytest.raises(SystemExit) as exited:
-        main(["bench", "--help"])
+        main([*lead, "bench", "--help"])
     assert exited.value.code == 0
     out = capsys.readouterr().out
-    assert "--cells" in out and "--no-peers" in out
+    assert "--cells" in out and "--no-peers" in out and "--full" in out
+
+
+def test_version_prints_the_package_version(capsys):
+    import slafload
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"slafload {slafload.__version__}"
+
+
+def test_bare_slafload_prints_help_and_exits_0(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage: slafload" in out and "convert" in out
+
+
+def test_info_json_is_one_object_describing_the_dataset(tmp_path, capsys):
+    import json
+
+    path = write_dense(tmp_path / "d.slaf", random_counts(10, 6, seed=1))
+    assert main(["info", str(path), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["n_cells"], summary["n_genes"]) == (10, 6)
+    assert summary["n_nonzeros"] == open_dataset(path).n_rows
+    assert set(summary["versions"]) == {"expression", "cells", "genes"}
+
+
+def test_verbose_is_accepted_after_the_command_as_before_it(tmp_path, capsys):
+    path = write_dense(tmp_path / "d.slaf", random_counts(10, 6, seed=1))
+    assert main(["info", str(path), "-v"]) == 0
+    assert main(["-v", "info", str(path)]) == 0
+    assert capsys.readouterr().out.count("cells      10") == 2
+
+
+def test_every_bench_and_tune_option_has_help_text():
+    from slafload.tools import bench
+    from slafload.tools.cli import _parser
+
+    tune = _parser()._subparsers._group_actions[0].choices["tune"]  # type: ignore[union-attr]
+    for name, parser in (("bench", bench.parser()), ("tune", tune)):
+        bare = [a.option_strings or a.dest for a in parser._actions if not a.help]
+        assert not bare, f"{name} options without help: {bare}"
+
+
+def test_an_existing_output_asks_for_the_overwrite_flag(tmp_path, h5ads, capsys):
+    out = tmp_path / "atlas.slaf"
+    out.mkdir()
+    assert main(["convert", str(h5ads[1][0]), str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "pass --overwrite" in err and "overwrite=True" not in err
+    assert main(["synth", str(out), "--cells", "10", "--no-progress"]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err
+
+
+def test_info_on_an_h5ad_file_says_to_convert_it_first(h5ads, capsys):
+    assert main(["info", str(h5ads[1][0])]) == 2
+    err = capsys.readouterr().err
+    assert "convert it first" in err and "slafload convert" in err

@@ -15,7 +15,7 @@ from conftest import random_counts, write_dense
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_epoch.py"
 
 
-def _torchrun(script: Path, *args: Path) -> subprocess.CompletedProcess:
+def _torchrun(script: Path, *args: str | Path) -> subprocess.CompletedProcess:
     """``script ARGS...`` under ``torchrun --nproc_per_node=2`` on a free loopback port."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with socket.socket() as s:  # a free loopback port for the rendezvous
@@ -71,3 +71,17 @@ def test_torchrun_ranks_share_a_mixture_disjointly_with_equal_batches_and_resume
         assert r["resumed"] == r["cells"]  # a mid-epoch resume under 2 ranks is exact
         assert r["state"]["segments"] == [[2, 24]] and r["state"]["rank"] == r["rank"]
         assert r["state"]["order"]["weights"] == [1.0, 2.0]
+
+
+def test_the_ddp_example_trains_under_torchrun_and_resumes_from_its_checkpoint(tmp_path):
+    example = Path(__file__).parents[1] / "examples" / "train_ddp.py"
+    data, checkpoint = tmp_path / "atlas.slaf", tmp_path / "ddp.pt"
+    args = ("--data", data, "--checkpoint", checkpoint, "--batch-size", "8", "--log-every", "1")
+    first = _torchrun(example, *args, "--steps", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "step     3" in first.stdout
+    assert "rank 0/2: 3 steps, 24 cells" in first.stdout
+    assert "rank 1/2: 3 steps, 24 cells" in first.stdout
+    resumed = _torchrun(example, *args, "--steps", "5", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "rank 1/2: 5 steps, 16 cells" in resumed.stdout  # 2 more steps after the 3 saved

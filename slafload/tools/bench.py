@@ -19,8 +19,13 @@ layout (``padded``, ``longest``, ``packed``) and tokenize placement: cells/s, to
 time in ``next()`` (p50/p99) and the producer's tokenizing cost (:mod:`slafload.tools.bench_layout`).
 Writes JSON (and a PNG bar chart when matplotlib is there).
 
-    python benchmarks/throughput.py                      # the README's main command
+    python benchmarks/throughput.py                      # quick: about 2 minutes on 2 cores
+    python benchmarks/throughput.py --full               # every contender, layout and preset
     python benchmarks/throughput.py --cells 200000 --no-peers
+
+By default the run is quick (:data:`QUICK`: a 20,000-cell atlas, the two built-in tokenizers
+and slafdb) and writes under ``./slafload-bench/``; ``--full`` restores the full comparison
+(presets, layouts, numpy kernels, the stage profile and the layout report).
 
 Library code never prints; this module is a benchmark driver and reports on stdout/stderr.
 """
@@ -59,7 +64,16 @@ from slafload.stage import Stage
 from slafload.tokenizers import make_tokenizer
 from slafload.tools.bench_layout import PLACEMENTS, layout_report, layout_table
 
-ROOT = Path.cwd()
+OUT_DIR = Path("slafload-bench")  # relative to the working directory; ignored by git
+# The quick run's defaults (--full keeps the parser's own); explicit arguments override both.
+QUICK: dict[str, Any] = {
+    "cells": 20_000,
+    "epochs": 1.0,
+    "repeats": 2,
+    "peer_repeats": 1,
+    "no_presets": True,
+    "layouts": "",
+}
 
 
 # -- measurement helpers -----------------------------------------------------------------------
@@ -359,6 +373,7 @@ def dataloader_run(
 
 def slafdb_run(path: Path, tokenizer: str, args, until: int, clock: Clock) -> int:
     """Stream cells through slafdb's loader until ``clock`` counts ``until``; the cells."""
+    _quiet_slafdb()
     from slaf import SLAFArray
     from slaf.ml.dataloaders import SLAFDataLoader
 
@@ -374,6 +389,14 @@ def slafdb_run(path: Path, tokenizer: str, args, until: int, clock: Clock) -> in
         return consume(iter(loader), clock, until)
     finally:
         loader._dataset.prefetcher.stop()
+
+
+def _quiet_slafdb() -> None:
+    """Silence slafdb's banner and INFO lines (loguru), which would break up the table."""
+    with contextlib.suppress(ImportError):
+        from loguru import logger
+
+        logger.disable("slaf")
 
 
 class _Timed(Stage[Any]):
@@ -448,9 +471,9 @@ def ensure_atlas(args) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, Any]:
-    """Run the throughput benchmark from the command line; the report."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+def parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The benchmark's command-line options (``--full``'s quick defaults are set by :func:`main`)."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument(
         "--dataset",
         help="a SLAF dataset of yours to benchmark instead of the synthetic atlas (--cells, "
@@ -463,17 +486,19 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         help="Lance storage options for a --dataset on an object store, as JSON (e.g. "
         '\'{"aws_region": "us-east-1"}\'; credentials may come from the environment)',
     )
-    p.add_argument("--cells", type=int, default=50_000)
-    p.add_argument("--genes", type=int, default=20_000)
+    p.add_argument(
+        "--cells", type=int, default=50_000, help="cells of the synthetic atlas (quick: 20,000)"
+    )
+    p.add_argument("--genes", type=int, default=20_000, help="genes of the synthetic atlas")
     p.add_argument("--nnz", type=int, default=800, help="mean non-zeros per cell")
-    p.add_argument("--plates", type=int, default=14)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-genes", type=int, default=2048)
+    p.add_argument("--plates", type=int, default=14, help="plates of the synthetic atlas")
+    p.add_argument("--batch-size", type=int, default=32, help="cells per minibatch")
+    p.add_argument("--max-genes", type=int, default=2048, help="tokens per cell")
     p.add_argument(
         "--epochs",
         type=float,
         default=2.5,
-        help="cells timed per run after the warm-up, in epochs (spans several epochs)",
+        help="cells timed per run after the warm-up, in epochs (default 2.5; quick: 1)",
     )
     p.add_argument(
         "--warmup",
@@ -481,18 +506,35 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         default=0.2,
         help="epochs' worth of cells each run delivers before its steady window starts",
     )
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--peer-repeats", type=int, default=2)
+    p.add_argument(
+        "--repeats", type=int, default=3, help="runs of each slafload contender (quick: 2)"
+    )
+    p.add_argument("--peer-repeats", type=int, default=2, help="runs of slafdb's (quick: 1)")
     p.add_argument("--no-peers", action="store_true", help="skip slafdb")
-    p.add_argument("--no-presets", action="store_true", help="skip the published-model presets")
-    p.add_argument("--data", default=str(ROOT / "data"), help="where the atlas is cached")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput.json"))
+    p.add_argument(
+        "--no-presets", action="store_true", help="skip the published-model presets (quick: skip)"
+    )
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="the full comparison: 50,000 cells, 2.5 epochs, 3 runs, the presets, every "
+        "layout, numpy kernels, the stage profile and the layout report (tens of minutes)",
+    )
+    p.add_argument("--data", default=str(OUT_DIR / "data"), help="where the atlas is cached")
+    p.add_argument(
+        "--out",
+        default=str(OUT_DIR / "throughput.json"),
+        help="JSON report, with a PNG beside it (default: %(default)s)",
+    )
     p.add_argument(
         "--layouts",
         default="longest,packed",
-        help="layouts timed end to end beside padded (comma-separated; '' for none)",
+        help="layouts timed end to end beside padded (comma-separated; '' for none, the "
+        "quick default)",
     )
-    p.add_argument("--token-dtype", default="int64", choices=["int64", "int32"])
+    p.add_argument(
+        "--token-dtype", default="int64", choices=["int64", "int32"], help="token array dtype"
+    )
     p.add_argument(
         "--check-rows",
         default="once",
@@ -524,6 +566,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         help="also time geneformer through torch's DataLoader with these numbers of worker "
         "processes (comma-separated, e.g. 2,4,8: how a many-core machine scales)",
     )
+    return p
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, Any]:
+    """Run the throughput benchmark from the command line; the report."""
+    p = parser(prog)
+    if not _wants_full(argv):
+        p.set_defaults(**QUICK)
     args = p.parse_args(argv)
 
     if args.dataset:  # an object-store URI stays a string (a Path would fold its "//")
@@ -559,7 +609,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         if kernels == "numba":  # right before its runs: the rows before keep their peak RSS
             compile_s += warm_kernels(ds, [tok], args)
         results[f"slafload_{tok}"] = timed(f"slafload {tok}", ours_run(tok), args.repeats)
-        if kernels == "numba" and tok in BUILTINS:  # what the compiled kernels buy
+        if args.full and kernels == "numba" and tok in BUILTINS:  # what the kernels buy
             results[f"slafload_{tok}_numpy_kernels"] = timed(
                 f"slafload {tok}, kernels='numpy'", ours_run(tok, kernels="numpy"), args.repeats
             )
@@ -653,7 +703,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         },
         "results": results,
         "ratios": ratios,
-        "profile_us_per_cell": {tok: profile_stages(ds, tok, args) for tok in ours},
+        "profile_us_per_cell": {tok: profile_stages(ds, tok, args) for tok in ours}
+        if args.full
+        else {},
         "layouts": layout_report(
             ds,
             ("geneformer", "scgpt"),
@@ -663,13 +715,22 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
             n_batches=args.consumer_batches,
             step_s=args.step_ms / 1e3,
             device=args.device,
-        ),
+        )
+        if args.full
+        else None,
         "machine": machine(),
         "peak_rss_mb_process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     out = save_report(report, args.out, print_table, plot)
-    print(f"\nwrote {out}", file=sys.stderr)
+    print(f"\nwrote {out} and {out.with_suffix('.png')}", file=sys.stderr)
     return report
+
+
+def _wants_full(argv: Sequence[str] | None) -> bool:
+    """Whether ``--full`` is among the arguments (it decides the other options' defaults)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--full", action="store_true")
+    return pre.parse_known_args(argv)[0].full
 
 
 def machine() -> dict[str, Any]:
@@ -721,7 +782,8 @@ def print_table(report: dict[str, Any]) -> None:
     for tok, prof in report["profile_us_per_cell"].items():
         parts = ", ".join(f"{k} {v:.1f}" for k, v in prof.items())
         print(f"profile {tok} (us/cell): {parts}")
-    print(layout_table(report["layouts"]))
+    if report["layouts"] is not None:
+        print(layout_table(report["layouts"]))
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -735,7 +797,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         return
     names = [n for n in report["results"] if n != "raw_scan"]
     rates = [report["results"][n]["cells_per_s"] for n in names]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    # One bar per contender, each with room for its label: a fixed height made them overlap.
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.32 * len(names)))
     ax.barh(
         names, rates, color=["#3b7dd8" if n.startswith("slafload") else "#999999" for n in names]
     )

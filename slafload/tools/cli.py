@@ -7,10 +7,12 @@ to stderr and exit with status 2, without a traceback. Anything else is a bug an
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
 
 import polars as pl
 
@@ -47,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     c = sub.add_parser(
@@ -86,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
         "format.",
     )
     i.add_argument("path", metavar="PATH", help="SLAF dataset directory or URI")
+    i.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     o = sub.add_parser(
         "optimize",
@@ -142,18 +146,38 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
         description="Arguments are those of `slafload bench --help`.",
     )
+    for name, command in sub.choices.items():  # -v after the command, too
+        if name != "bench":  # bench owns its arguments
+            command.add_argument(
+                "-v",
+                "--verbose",
+                action="store_true",
+                default=argparse.SUPPRESS,  # keeps a -v given before the command
+                help="log progress details",
+            )
     return p
+
+
+def _version() -> str:
+    from slafload import __version__
+
+    return __version__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["bench"]:  # bench owns its arguments
+    lead = 1 if args_list[:1] in (["-v"], ["--verbose"]) else 0
+    if args_list[lead : lead + 1] == ["bench"]:  # bench owns its arguments
         from slafload.tools import bench
 
-        bench.main(args_list[1:], prog="slafload bench")
+        bench.main(args_list[lead + 1 :], prog="slafload bench")
         return 0
-    args = _parser().parse_args(args_list)
+    parser = _parser()
+    if not args_list:  # bare `slafload`: what it can do
+        parser.print_help()
+        return 0
+    args = parser.parse_args(args_list)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -191,6 +215,7 @@ def _convert(args: argparse.Namespace) -> int:
     if len(args.paths) < 2:
         raise ValueError("give at least one input .h5ad and then the output path")
     *inputs, output = args.paths
+    _refuse_existing(output, args.overwrite)
     path = convert(
         inputs,
         output,
@@ -214,6 +239,11 @@ def _info(args: argparse.Namespace) -> int:
     from slafload import open_dataset
     from slafload.tools.optimize import file_format
 
+    if args.path.endswith((".h5ad", ".h5")) and Path(args.path).is_file():
+        raise ValueError(
+            f"{args.path} is an AnnData file, not a SLAF dataset; convert it first: "
+            f"slafload convert {args.path} OUT.slaf"
+        )
     ds = open_dataset(args.path)
     fmt = file_format(ds.expression)
     hint = "" if fmt == "2.0" else "; `slafload optimize` rewrites them in 2.0 for cheaper reads"
@@ -234,11 +264,33 @@ def _info(args: argparse.Namespace) -> int:
         "obs columns",
     ]
     skip = {"cell_integer_id", "cell_start_index"}
-    for name in ds.cells.schema.names:
-        if name not in skip:
-            lines.append(f"  {name}: {_describe(ds.obs([name]).get_column(name))}")
+    obs = [name for name in ds.cells.schema.names if name not in skip]
+    if args.json:
+        summary: dict[str, Any] = {
+            "uri": ds.uri,
+            "n_cells": ds.n_cells,
+            "n_genes": ds.n_genes,
+            "n_nonzeros": ds.n_rows,
+            "sparsity": 1 - ds.n_rows / total,
+            "value_type": str(ds.value_type),
+            "gene_type": str(ds.gene_type),
+            "versions": dict(ds.versions),
+            "fragments": {name: len(getattr(ds, name).get_fragments()) for name in ds.versions},
+            "expression_file_format": fmt,
+            "obs_columns": {name: str(ds.cells.schema.field(name).type) for name in obs},
+        }
+        print(json.dumps(summary, indent=2))
+        return 0
+    for name in obs:
+        lines.append(f"  {name}: {_describe(ds.obs([name]).get_column(name))}")
     print("\n".join(lines))
     return 0
+
+
+def _refuse_existing(output: str, overwrite: bool) -> None:
+    """A CLI user is told about ``--overwrite`` (the library says ``overwrite=True``)."""
+    if not overwrite and Path(output).exists():
+        raise FileExistsError(f"{output!r} already exists; pass --overwrite to replace it")
 
 
 def _describe(column: pl.Series) -> str:
@@ -289,6 +341,7 @@ def _optimize(args: argparse.Namespace) -> int:
 def _synth(args: argparse.Namespace) -> int:
     from slafload.tools.synthetic import write_atlas
 
+    _refuse_existing(args.path, args.overwrite)
     path = write_atlas(
         args.path,
         n_cells=args.cells,
@@ -333,16 +386,28 @@ def _add_tune(sub) -> None:
     t.add_argument("--classes", type=int, default=14, help="K of the default (default: 14)")
     t.add_argument("--target-gap", type=float, default=0.05, help="bits (default: 0.05)")
     t.add_argument("--batch-size", type=int, default=32, help="minibatch size (default: 32)")
-    t.add_argument("--blocks", type=_ints, default=[1, 4, 16, 64, 256], metavar="B,B,...")
-    t.add_argument("--factors", type=_ints, default=[16, 64, 256], metavar="F,F,...")
-    t.add_argument("--seconds", type=float, default=2.0, help="timed seconds per run")
+    t.add_argument(
+        "--blocks",
+        type=_ints,
+        default=[1, 4, 16, 64, 256],
+        metavar="B,B,...",
+        help="block sizes to measure (default: 1,4,16,64,256)",
+    )
+    t.add_argument(
+        "--factors",
+        type=_ints,
+        default=[16, 64, 256],
+        metavar="F,F,...",
+        help="fetch factors to measure (default: 16,64,256)",
+    )
+    t.add_argument("--seconds", type=float, default=2.0, help="timed seconds per run (default: 2)")
     t.add_argument(
         "--repeats", type=int, default=2, help="runs of each candidate point (default: 2)"
     )
     t.add_argument("--budget-s", type=float, default=120.0, help="total seconds (default: 120)")
     t.add_argument("--tokenizer", default="geneformer", help="tokenizer (default: geneformer)")
     t.add_argument("--max-genes", type=int, default=2048, help="tokens per cell (default: 2048)")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=int, default=0, help="sampler seed (default: 0)")
     t.add_argument("--out", default="slafload-tune.json", help="JSON report (PNG beside it)")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
