@@ -61,3 +61,9 @@ class StateError(LoaderError, ValueError):
 
 class LayoutError(SlafloadError, ValueError):
     """A tokenizer cannot be used with the requested ``layout`` or ``tokenize_on``."""
+
+
+class ReaderFallbackWarning(UserWarning):
+    """A table (or one of its data files) is read through Lance's ``take_scan`` instead of
+    slafload's direct data-file path: exact, but each scattered range costs more.
+    """

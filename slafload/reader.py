@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -41,7 +42,7 @@ from slafload._validate import check_int
 from slafload.buffers import BytePool
 from slafload.data_files import DataFiles, direct_by_default, is_remote
 from slafload.dataset import SlafDataset
-from slafload.errors import ReadError, SlafloadError
+from slafload.errors import ReaderFallbackWarning, ReadError, SlafloadError
 from slafload.kernels import NUMPY, Kernels, prepare_reads
 from slafload.ranges import coalesce, describe, expand_ranges, span_ends
 from slafload.types import Fetch
@@ -115,7 +116,7 @@ class Reader:
             self._direct = direct_by_default(self.dataset.expression)
         if self._direct and self._files is None:
             o = self.options
-            self._files = DataFiles.of(
+            found = DataFiles.examine(
                 self.dataset.expression,
                 COLUMNS,
                 storage_options=self.dataset.storage_options,
@@ -125,6 +126,16 @@ class Reader:
                 pool=o.pool,
                 mini=o.mini,
             )
+            if isinstance(found, str):
+                warnings.warn(
+                    f"{self.dataset.uri}: scattered reads (block sampling, shuffled blocks) "
+                    f"go through Lance's take_scan, not slafload's direct data-file path, "
+                    f"because {found}. The rows are the same; each scattered range costs "
+                    "several times more, growing with the table's data files.",
+                    ReaderFallbackWarning,
+                    stacklevel=2,
+                )
+            self._files = found if isinstance(found, DataFiles) else None
             self._direct = self._files is not None
             if self._files is not None and self._files.flat:
                 prepare_reads(o.kernels)  # compiled on the loader's thread, not the reads'
