@@ -24,6 +24,7 @@ writing), a data file on another base path, data files whose field ids differ, n
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -133,7 +134,7 @@ class Deletions:
     def __init__(self, expression: lance.LanceDataset, files: dict[int, int]):
         self.expression = expression
         self.files = dict(files)
-        self._rows: dict[int, np.ndarray] = {}
+        self._rows: dict[int, tuple[np.ndarray, list[int], list[int]]] = {}
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
@@ -141,14 +142,20 @@ class Deletions:
 
     def rows(self, index: int) -> np.ndarray:
         """The sorted physical offsets deleted from data file ``index`` (empty: none)."""
+        return self._listed(index)[0]
+
+    def _listed(self, index: int) -> tuple[np.ndarray, list[int], list[int]]:
+        """Data file ``index``'s deleted rows, as an array and a list, and the live rows
+        before each (lists: a piece's few lookups cost less by ``bisect`` than by numpy).
+        """
         if index not in self.files:
-            return np.zeros(0, np.int64)
+            return np.zeros(0, np.int64), [], []
         with self._lock:
             found = self._rows.get(index)
             if found is None:
-                found = self._rows[index] = deleted_rows(
-                    self.expression.get_fragment(self.files[index])
-                )
+                gone = deleted_rows(self.expression.get_fragment(self.files[index]))
+                shift = gone - np.arange(len(gone))
+                found = self._rows[index] = (gone, gone.tolist(), shift.tolist())
             return found
 
     def physical(
@@ -158,27 +165,33 @@ class Deletions:
         live rows ``[lo, lo + n)`` (of which ``keep``, relative to ``lo``, where given): the
         kept runs, relative to ``first``, skip every deleted row (``None``: all of them).
         """
-        gone = self.rows(index)
-        if len(gone) == 0:
+        _, gone, shift = self._listed(index)
+        if not gone:
             return lo, n, keep
-        shift = gone - np.arange(len(gone))  # live rows before each deleted row
-        first, last = (np.array([lo, lo + n - 1]) + np.searchsorted(shift, [lo, lo + n - 1],
-                                                                     side="right")).tolist()  # fmt: skip
-        ranges = np.array([[0, n]]) if keep is None else keep
-        runs = [_live_runs(gone, shift, lo + a, lo + b) for a, b in ranges.tolist() if b > a]
-        kept = np.concatenate(runs) - first if runs else np.zeros((0, 2), np.int64)
+        first = lo + bisect.bisect_right(shift, lo)
+        stop = lo + n - 1 + bisect.bisect_right(shift, lo + n - 1) + 1
+        runs: list[tuple[int, int]] = []
+        for a, b in [(0, n)] if keep is None else keep.tolist():
+            if b > a:
+                p = lo + a + bisect.bisect_right(shift, lo + a)
+                q = lo + b - 1 + bisect.bisect_right(shift, lo + b - 1) + 1
+                runs.extend(_live_runs(gone, p, q))
+        kept = np.array(runs, np.int64).reshape(-1, 2) - first
         if keep is None and len(kept) == 1:
-            return first, last + 1 - first, None
-        return first, last + 1 - first, kept
+            return first, stop - first, None
+        return first, stop - first, kept
 
 
-def _live_runs(gone: np.ndarray, shift: np.ndarray, a: int, b: int) -> np.ndarray:
-    """The physical runs ``int64[j, 2]`` holding live rows ``[a, b)`` (``b > a``)."""
-    first = a + int(np.searchsorted(shift, a, side="right"))
-    stop = b - 1 + int(np.searchsorted(shift, b - 1, side="right")) + 1
-    inside = gone[np.searchsorted(gone, first) : np.searchsorted(gone, stop)]
-    runs = np.stack([np.concatenate([[first], inside + 1]), np.concatenate([inside, [stop]])], 1)
-    return runs[runs[:, 1] > runs[:, 0]].astype(np.int64)
+def _live_runs(gone: list[int], p: int, q: int) -> list[tuple[int, int]]:
+    """The runs of physical rows ``[p, q)`` that ``gone`` (sorted) does not hold."""
+    runs = []
+    for d in gone[bisect.bisect_left(gone, p) : bisect.bisect_left(gone, q)]:
+        if d > p:
+            runs.append((p, d))
+        p = d + 1
+    if q > p:
+        runs.append((p, q))
+    return runs
 
 
 def deleted_rows(fragment: Any) -> np.ndarray:
