@@ -16,12 +16,16 @@ changes.
   batch; ~0.5 s less by extrapolation on a 100M-cell atlas of ~76k files).
 - ``LanceDataset.lance_schema.fields()``: each column's field id (``LanceField.id()``), which
   data files are matched by (newer pylance only; older releases leave the direct path unused).
+- The text of pylance's errors: a table whose Lance file format the installed pylance cannot
+  read fails with a plain ``OSError``/``ValueError`` (or a Rust panic), whose message is all
+  that says so (:func:`version_skew`).
 - ``LazyFrame.collect(background=True)``: runs a query on Polars' thread pool and returns a
   handle (documented as unstable), so Polars ranks one piece while numpy tokenizes another.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -67,6 +71,42 @@ def field_ids(dataset: lance.LanceDataset) -> dict[str, int] | None:
         return {f.name(): f.id() for f in dataset.lance_schema.fields()}
     except AttributeError:
         return None
+
+
+_UNKNOWN_FORMAT = re.compile(r"Unknown Lance storage version: ([0-9]+\.[0-9]+)")
+_DECODE_WORDS = ("not supported", "unsupported", "encoding", "decod")
+UNSTABLE_FROM = (2, 2)  # formats some admitted pylance releases wrote while still unstable
+
+
+def version_skew(exc: BaseException, formats: Mapping[str, set[tuple[int, int]]]) -> str | None:
+    """Why ``exc``, raised by pylance reading tables whose data files are in the Lance file
+    formats ``formats`` (``(major, minor)`` by table name), is a Lance version mismatch, or
+    ``None`` if nothing says it is.
+
+    A format the installed pylance does not know is named in its error; a format it knows
+    but whose encodings changed between releases (2.2 and later were unstable in older
+    pylance: a 2.2 file written by one release may not decode, or may panic, in another)
+    fails with a decoding error or a panic on a table holding such files.
+    """
+    text = f"{type(exc).__name__}: {exc}"
+    installed = f"the installed pylance {lance.__version__}"
+    unknown = _UNKNOWN_FORMAT.search(text)
+    if unknown:
+        return (
+            f"its data files are in Lance file format {unknown.group(1)}, which {installed} "
+            "does not read"
+        )
+    panic = type(exc).__name__ == "PanicException"
+    if not panic and not any(word in text.lower() for word in _DECODE_WORDS):
+        return None
+    late = sorted(f"{name}.lance: Lance {v[0]}.{v[1]}" for name, found in formats.items()
+                  for v in found if v >= UNSTABLE_FROM)  # fmt: skip
+    if not late:
+        return None
+    return (
+        f"{installed} failed to decode data files of a format whose encodings changed between "
+        f"pylance releases ({', '.join(late)}; probably written by another release)"
+    )
 
 
 def collect_in_background(query: pl.LazyFrame) -> BackgroundQuery:

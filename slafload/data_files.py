@@ -57,7 +57,7 @@ from slafload._compat import file_session, take_scan
 from slafload.buffers import BytePool
 from slafload.errors import ReaderFallbackWarning
 from slafload.flat_pages import V2_0, V2_1, FlatFile, FlatFiles, FlatRange, read_ranges
-from slafload.fragments import Deletions, Matched, stored_names, survey
+from slafload.fragments import Deletions, Matched, file_versions, stored_names, survey
 from slafload.kernels import NUMPY, Kernels
 from slafload.ranges import expand
 
@@ -110,15 +110,6 @@ def direct_by_default(expression: lance.LanceDataset) -> bool:
         return True
     versions = file_versions(expression)
     return bool(versions) and max(versions) <= (2, 0)
-
-
-def file_versions(expression: lance.LanceDataset) -> set[tuple[int, int]]:
-    """The Lance file formats ``(major, minor)`` of a pinned table version's data files."""
-    return {
-        (f.file_major_version, f.file_minor_version)
-        for fragment in expression.get_fragments()
-        for f in fragment.metadata.files
-    }
 
 
 @dataclass(eq=False)

@@ -33,7 +33,9 @@ from slafload.errors import (
     InconsistentDataError,
     MissingTableError,
     SchemaError,
+    SlafloadError,
 )
+from slafload.fragments import version_error
 from slafload.offsets import CellOffsets
 
 if TYPE_CHECKING:
@@ -185,13 +187,32 @@ def open_dataset(
     config = _read_config(uri, opts)
     versions = _requested_versions(version)
     tables = {name: _open_table(uri, config, name, versions.get(name), opts) for name in TABLES}
-    _check_schema(uri, tables)
-    cell_start = _cell_offsets(uri, tables)
-    _check_counts(uri, config, tables, cell_start, pinned=bool(versions))
-    _spot_check_expression(uri, tables["expression"], cell_start)
+    try:
+        _check_schema(uri, tables)
+        cell_start = _cell_offsets(uri, tables)
+        _check_counts(uri, config, tables, cell_start, pinned=bool(versions))
+        _spot_check_expression(uri, tables["expression"], cell_start)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # BaseException: pylance's panics are
+        _raise_version_skew(uri, exc, tables)
+        raise
     ds = SlafDataset(uri=uri, config=config, cell_start=cell_start, storage_options=opts, **tables)
     logger.info("opened %r", ds)
     return ds
+
+
+def _raise_version_skew(
+    uri: str, exc: BaseException, tables: Mapping[str, lance.LanceDataset]
+) -> None:
+    """Raise :class:`LanceVersionError` where ``exc`` (or, for an error of ours, its cause)
+    is the installed pylance failing on a Lance format another release wrote.
+    """
+    cause = exc.__cause__ if isinstance(exc, SlafloadError) else exc
+    if cause is not None and not isinstance(cause, SlafloadError):
+        skew = version_error(uri, cause, tables)
+        if skew is not None:
+            raise skew from cause
 
 
 def _join(uri: str, name: str) -> str:
@@ -281,6 +302,7 @@ def _open_table(
     try:
         return lance.dataset(path, version=version, storage_options=storage_options)
     except Exception as exc:  # Lance raises plain OSError/ValueError with Rust messages.
+        _raise_version_skew(uri, exc, {})
         raise MissingTableError(
             f"Cannot open the {name} table {path!r}"
             + (f" at version {version}" if version is not None else "")

@@ -35,6 +35,12 @@ class InconsistentDataError(DatasetError):
     """The tables disagree with each other (ordering, offsets, counts, value ranges)."""
 
 
+class LanceVersionError(DatasetError):
+    """The installed pylance cannot read a table's Lance file format (written by another
+    pylance release): not damage to the data.
+    """
+
+
 class VocabularyError(SlafloadError, ValueError):
     """A vocabulary file is malformed, or a dataset's genes do not fit a vocabulary."""
 

@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import lance
 import numpy as np
 import pyarrow as pa
 
-from slafload._compat import data_file_path, field_ids
+from slafload._compat import data_file_path, field_ids, version_skew
+from slafload.errors import LanceVersionError
 
 
 class Survey(NamedTuple):
@@ -202,3 +203,37 @@ def deleted_rows(fragment: Any) -> np.ndarray:
     mask = np.ones(fragment.metadata.physical_rows, dtype=bool)
     mask[(live & 0xFFFFFFFF).astype(np.int64)] = False
     return np.flatnonzero(mask).astype(np.int64)
+
+
+def file_versions(expression: lance.LanceDataset) -> set[tuple[int, int]]:
+    """The Lance file formats ``(major, minor)`` of a pinned table version's data files."""
+    return {
+        (f.file_major_version, f.file_minor_version)
+        for fragment in expression.get_fragments()
+        for f in fragment.metadata.files
+    }
+
+
+def version_error(
+    uri: str, exc: BaseException, tables: Mapping[str, lance.LanceDataset]
+) -> LanceVersionError | None:
+    """The error to raise for ``exc`` (raised by pylance reading ``tables`` of the dataset at
+    ``uri``) where it is a Lance version mismatch, not damage
+    (:func:`slafload._compat.version_skew`); ``None`` where nothing says it is.
+    """
+    formats = {}
+    for name, table in tables.items():
+        try:  # the manifest lists them, whatever the data files hold
+            formats[name] = file_versions(table)
+        except Exception:
+            formats[name] = set()
+    why = version_skew(exc, formats)
+    if why is None:
+        return None
+    return LanceVersionError(
+        f"Lance version mismatch reading {uri!r}: {why} ({type(exc).__name__}: {exc}). "
+        "Install the pylance release that wrote the dataset, or have that release rewrite "
+        "its tables in a format both read (`slafload optimize --storage-version 2.0` for "
+        "expression.lance; `lance.write_dataset(..., data_storage_version='2.0')` for "
+        "cells.lance and genes.lance)."
+    )

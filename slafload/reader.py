@@ -43,6 +43,7 @@ from slafload.buffers import BytePool
 from slafload.data_files import DataFiles, direct_by_default, is_remote
 from slafload.dataset import SlafDataset
 from slafload.errors import ReaderFallbackWarning, ReadError, SlafloadError
+from slafload.fragments import version_error
 from slafload.kernels import NUMPY, Kernels, prepare_reads
 from slafload.ranges import coalesce, describe, expand_ranges, span_ends
 from slafload.types import Fetch
@@ -166,9 +167,14 @@ class Reader:
                 yield from started(self._scan(int(rows[0, 0]), int(rows[0, 1]), columns))
             else:
                 yield from self._read_many(rows)
-        except SlafloadError:
+        except (SlafloadError, GeneratorExit, KeyboardInterrupt, SystemExit):
             raise
-        except Exception as exc:
+        except BaseException as exc:  # BaseException: pylance's panics are
+            skew = version_error(self.dataset.uri, exc, {"expression": self.dataset.expression})
+            if skew is not None:
+                raise skew from exc
+            if not isinstance(exc, Exception):
+                raise
             raise ReadError(
                 f"Reading {fetch!r} (expression rows {describe(rows)}) from "
                 f"{self.dataset.uri!r} failed: {type(exc).__name__}: {exc}"

@@ -4,6 +4,7 @@ exactly as Lance reads them, on every read path.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import warnings
@@ -15,8 +16,9 @@ import pytest
 from conftest import append_cell, random_counts, write_dense
 
 from slafload import open_dataset
+from slafload._compat import version_skew
 from slafload.data_files import DataFiles
-from slafload.errors import ReaderFallbackWarning
+from slafload.errors import LanceVersionError, ReaderFallbackWarning
 from slafload.fragments import Deletions
 from slafload.kernels import NUMPY, Kernels, numba_available
 from slafload.reader import COLUMNS, Reader, ReadOptions
@@ -55,8 +57,12 @@ def slaf_with_other(tmp_path, version: str):
     table = lance.dataset(uri).to_table()
     shutil.rmtree(uri)
     other = pa.array((np.arange(table.num_rows) * 7 + 1000) % 60000, pa.uint16())
-    lance.write_dataset(table.append_column("other", other), uri, max_rows_per_file=300,
-                        data_storage_version=version)  # fmt: skip
+    lance.write_dataset(
+        table.append_column("other", other),
+        uri,
+        max_rows_per_file=300,
+        data_storage_version=version,
+    )
     return path
 
 
@@ -93,15 +99,15 @@ def lance_rows(dataset, plan) -> pa.Table:
     """The fetches' rows as Lance's own ``to_table()`` reads them."""
     whole = dataset.expression.to_table(columns=COLUMNS)
     start = dataset.cell_start
-    parts = [whole.slice(start[a], start[b] - start[a])
-             for f in plan for a, b in f.ranges.tolist()]  # fmt: skip
+    parts = [whole.slice(start[a], start[b] - start[a]) for f in plan for a, b in f.ranges.tolist()]
     return pa.concat_tables(parts)
 
 
 def assert_every_path_reads_as_lance(path, numba_kernels, version: str, *, warns: bool) -> None:
     dataset = open_dataset(path)
-    plan = list(BlockShuffle(block_size=3, fetch_factor=4, batch_size=8).plan(N_CELLS, seed=2,
-                                                                               epoch=0))  # fmt: skip
+    plan = list(
+        BlockShuffle(block_size=3, fetch_factor=4, batch_size=8).plan(N_CELLS, seed=2, epoch=0)
+    )
     want = lance_rows(dataset, plan)
     for name, options in paths(numba_kernels).items():
         reader = Reader(dataset, options)
@@ -162,8 +168,9 @@ def test_a_file_appended_after_a_rename_is_read_through_lance_with_one_warning(
     append_cell(path, [1, 4, 9], [11, 12, 13])  # written as the table now names them
     dataset = open_dataset(path)
     assert dataset.n_cells == N_CELLS + 1
-    plan = list(BlockShuffle(block_size=2, fetch_factor=4, batch_size=8).plan(N_CELLS + 1,
-                                                                              seed=1, epoch=0))  # fmt: skip
+    plan = list(
+        BlockShuffle(block_size=2, fetch_factor=4, batch_size=8).plan(N_CELLS + 1, seed=1, epoch=0)
+    )
     want = lance_rows(dataset, plan)
     for name, options in paths(numba_kernels).items():
         with warnings.catch_warnings(record=True) as caught:
@@ -185,8 +192,9 @@ def delete_rows(path, predicate: str) -> None:
     n_cells = cells.num_rows
     start = np.searchsorted(cell_ids, np.arange(n_cells)).astype(np.int64)
     index = cells.schema.get_field_index("cell_start_index")
-    cells = cells.set_column(index, cells.schema.field(index),
-                             pa.array(start).cast(cells.schema.field(index).type))  # fmt: skip
+    cells = cells.set_column(
+        index, cells.schema.field(index), pa.array(start).cast(cells.schema.field(index).type)
+    )
     lance.write_dataset(cells, str(path / "cells.lance"), mode="overwrite")
     config = json.loads((path / "config.json").read_text())
     config["metadata"]["expression_count"] = len(cell_ids)
@@ -200,8 +208,11 @@ def test_a_table_with_deleted_rows_reads_as_lance_reads_it_on_every_path(
     path = slaf_with_other(tmp_path, version)
     n_rows = lance.dataset(str(path / "expression.lance")).count_rows()
     # whole cells in the middle and at both ends, rows at file edges, scattered rows
-    delete_rows(path, f"cell_integer_id IN (0, 1, 57, 58, {N_CELLS - 1}) OR other % 13 = 0 "
-                      f"OR other IN (1000, 1007, {1000 + 7 * (n_rows - 1)})")  # fmt: skip
+    delete_rows(
+        path,
+        f"cell_integer_id IN (0, 1, 57, 58, {N_CELLS - 1}) OR other % 13 = 0 "
+        f"OR other IN (1000, 1007, {1000 + 7 * (n_rows - 1)})",
+    )
     expression = lance.dataset(str(path / "expression.lance"))
     assert sum(f.metadata.deletion_file is not None for f in expression.get_fragments()) > 3
     assert DataFiles.of(expression, COLUMNS) is not None
@@ -227,3 +238,67 @@ def test_deleted_rows_map_live_pieces_to_physical_runs(tmp_path):
                 first, rows, kept = deletions.physical(0, lo, n, keep)
                 got = [first + i for a, b in kept.tolist() for i in range(a, b)]
                 assert got == [live[lo], live[lo + n - 1]]
+
+
+def forge_format(path, minor: int) -> None:
+    """Rewrite the footer of every expression data file to say Lance format ``2.minor``, as
+    a file from a pylance release newer than the installed one would."""
+    for data in (path / "expression.lance" / "data").glob("*.lance"):
+        raw = bytearray(data.read_bytes())
+        raw[-6:-4] = minor.to_bytes(2, "little")  # the footer's minor version, before b"LANC"
+        data.write_bytes(bytes(raw))
+
+
+def test_a_format_the_installed_pylance_cannot_read_is_named_a_version_mismatch(tmp_path):
+    path = write_dense(tmp_path / "d.slaf", random_counts(50, 10, seed=1))
+    forge_format(path, 9)
+    with pytest.raises(LanceVersionError) as raised:
+        open_dataset(path)
+    message = str(raised.value)
+    assert "Lance version mismatch" in message and "Lance file format 2.9" in message
+    assert f"pylance {lance.__version__}" in message and "Install the pylance release" in message
+    assert "corrupt" not in message
+
+
+def test_a_version_mismatch_while_reading_is_named_so_on_every_path(tmp_path, numba_kernels):
+    path = write_dense(tmp_path / "d.slaf", random_counts(50, 10, seed=1), max_rows_per_file=90)
+    opened = open_dataset(path)
+    forge_format(path, 9)  # (a new session: the opened one caches the files' metadata)
+    dataset = dataclasses.replace(opened, expression=lance.dataset(opened.expression.uri))
+    plan = list(BlockShuffle(block_size=2, fetch_factor=2, batch_size=4).plan(50, seed=0, epoch=0))
+    for options in paths(numba_kernels).values():
+        with warnings.catch_warnings():  # the direct path cannot open the files: it says so
+            warnings.simplefilter("ignore", ReaderFallbackWarning)
+            with pytest.raises(LanceVersionError, match="Lance file format 2.9"):
+                read_all(Reader(dataset, options), plan)
+
+
+@pytest.mark.parametrize(
+    ("error", "formats", "named"),
+    [
+        (
+            OSError("Invalid user input: Unknown Lance storage version: 2.9, version.rs:271:5"),
+            {},
+            "Lance file format 2.9",
+        ),
+        (
+            OSError("Not supported: miniblock encoding with 7 buffers"),
+            {"cells": {(2, 2)}},
+            "cells.lance: Lance 2.2",
+        ),
+        (OSError("Not supported: miniblock encoding with 7 buffers"), {"cells": {(2, 0)}}, None),
+        (OSError("No such file or directory (os error 2)"), {"cells": {(2, 2)}}, None),
+    ],
+)
+def test_version_skew_is_told_from_pylance_errors(error, formats, named):
+    found = version_skew(error, formats)
+    assert found == named if named is None else named in found
+
+
+def test_a_panic_on_a_late_format_is_a_version_mismatch():
+    class PanicException(BaseException):  # pyo3's, raised where Rust panics
+        pass
+
+    found = version_skew(PanicException("index out of bounds"), {"expression": {(2, 2)}})
+    assert found is not None and f"pylance {lance.__version__}" in found
+    assert version_skew(PanicException("boom"), {"expression": {(2, 0)}}) is None
