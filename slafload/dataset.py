@@ -508,6 +508,19 @@ def _check_counts(
         )
 
 
+def _rows_of(expression: lance.LanceDataset, rows: np.ndarray) -> np.ndarray:
+    """``cell_integer_id`` of the sorted dataset ``rows``: one ``take``, or a scanner per row
+    where the table has deleted rows (Lance's ``take`` then costs ~10 ms a row, a scanner's
+    ``offset`` ~0.5 ms).
+    """
+    if not any(f.metadata.deletion_file is not None for f in expression.get_fragments()):
+        return expression.take(rows.tolist(), columns=["cell_integer_id"]).column(0).to_numpy()
+    return np.concatenate([
+        expression.scanner(columns=["cell_integer_id"], offset=r, limit=1).to_table()
+        .column(0).to_numpy() for r in rows.tolist()
+    ])  # fmt: skip
+
+
 def _spot_check_expression(
     uri: str, expression: lance.LanceDataset, cell_start: CellOffsets
 ) -> None:
@@ -525,7 +538,7 @@ def _spot_check_expression(
     cells = np.unique(np.array(picked, dtype=np.int64))
     rows = np.unique(np.concatenate([cell_start[cells], cell_start[cells + 1] - 1]))
     try:
-        got = expression.take(rows.tolist(), columns=["cell_integer_id"]).column(0).to_numpy()
+        got = _rows_of(expression, rows)
     except Exception as exc:  # Lance reports a damaged data file as a plain OSError
         raise MissingTableError(
             f"expression.lance in {uri!r}: reading column 'cell_integer_id' failed, so a data "
