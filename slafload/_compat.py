@@ -125,8 +125,8 @@ def deletion_array(uri: str, fragment: Any) -> np.ndarray | None:
         return None
     try:
         path = f"{uri.rstrip('/')}/{meta.path(fragment.fragment_id)}"
-        with pa.ipc.open_file(path) as reader:
-            table = reader.read_all()
+        with open(path, "rb") as file:  # read whole: opening it by path costs ~3 ms more
+            table = pa.ipc.open_file(pa.py_buffer(file.read())).read_all()
     except (OSError, pa.ArrowInvalid, TypeError, AttributeError):
         return None
     if table.num_columns != 1 or not pa.types.is_unsigned_integer(table.schema[0].type):
