@@ -552,14 +552,18 @@ class DataFiles:
 
     def _decline(self, index: int) -> object:
         """Mark data file ``index`` to be read through Lance, and say so once."""
+        self._note(
+            f"data file {self.paths[index]} stores its columns under other names than the "
+            "table's first data file (columns renamed between writes), so its rows are read "
+            "through Lance's take_scan, ~0.2-0.5 ms more per range"
+        )
+        return DECLINED
+
+    def _note(self, notice: str) -> None:
+        """Keep the first ``notice`` of a data file left to Lance, for :meth:`notice`."""
         with self._lock:
             if self._notice is None:
-                self._notice = (
-                    f"data file {self.paths[index]} stores its columns under other names than "
-                    "the table's first data file (columns renamed between writes), so its rows "
-                    "are read through Lance's take_scan, ~0.2-0.5 ms more per range"
-                )
-        return DECLINED
+                self._notice = notice
 
     def notice(self) -> None:
         """Warn, once, that a data file is read through Lance (on the thread that reads the
@@ -587,6 +591,12 @@ class DataFiles:
             v2_0 = None if self._v2_0 is None else self._v2_0[index]  # None: not known
             if self.flat and (mini or v2_0 is not False):
                 flat = self._flat_files.open(self.paths[index], cols, mini=mini)
+                if flat is None and (mini or v2_0):
+                    self._note(
+                        f"data file {self.paths[index]} holds pages the flat reader does not "
+                        "decode (an encoding, nulls or compression it does not read), so it "
+                        "is read by Lance's file reader, several times the CPU per range"
+                    )
             if flat is not None and not self._fits(flat):
                 flat.close()
                 flat, entry.reader = None, self._decline(index)

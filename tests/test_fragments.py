@@ -341,3 +341,25 @@ def test_tiny_spans_of_a_table_with_deleted_rows_are_read_from_the_data_files(
     )
     got = read_all(Reader(dataset), plan)
     assert got.equals(lance_rows(dataset, plan).cast(got.schema)) and not takes
+
+
+def test_data_files_the_flat_reader_does_not_decode_are_read_by_lance_with_one_warning(tmp_path):
+    uri = str(tmp_path / "t.lance")
+    n = 1000
+    value = pa.array([None if i % 7 == 0 else i % 50 for i in range(n)], pa.uint16())  # nulls
+    table = pa.table(
+        {
+            "cell_integer_id": pa.array(np.arange(n) // 10, pa.uint32()),
+            "gene_integer_id": pa.array(np.arange(n) % 10, pa.uint16()),
+            "value": value,
+        }
+    )
+    lance.write_dataset(table, uri, data_storage_version="2.0", max_rows_per_file=300)
+    files = DataFiles.of(lance.dataset(uri), COLUMNS)
+    rows = np.array([[5, 40], [290, 620], [900, 1000]])
+    with pytest.warns(ReaderFallbackWarning, match="flat reader does not decode") as caught:
+        got = [pa.Table.from_batches(list(b)) for b in files.read(rows, COLUMNS)]
+        got += [pa.Table.from_batches(list(b)) for b in files.read(rows, COLUMNS)]
+    assert len(caught) == 1
+    for (a, b), part in zip([*rows.tolist(), *rows.tolist()], got, strict=True):
+        assert part.equals(table.slice(a, b - a))
