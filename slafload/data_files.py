@@ -23,10 +23,14 @@ each range's batches are waited for when they are iterated, so the Read stage's 
 overlaps the next fetch's requests with this one's compute. Readers on an object store share
 one ``LanceFileSession`` (one client and connection pool) instead of a client each.
 
-Only tables where this is exact take this path: every fragment has exactly one data file
-holding every column, no deletion file, no extra base path, and the data files' schema names
-and types match the dataset's for the columns read. Anything else returns ``None`` from
-:meth:`DataFiles.of` and the reader keeps using ``take_scan``.
+Only tables where this is exact take this path (:mod:`slafload.fragments`): every fragment
+has exactly one data file holding every column, no column overlays and no extra base path,
+every data file lists the same field ids, and each column read is found by its field id, not
+its name (a renamed column keeps the name it was written under in the files). Deleted rows are
+skipped: a piece of live rows is read as the physical rows that hold them, deleted ones
+dropped. Anything else gets a reason from :meth:`DataFiles.examine` and the reader keeps using
+``take_scan`` (with a :class:`~slafload.errors.ReaderFallbackWarning`); a data file that stores
+other names than the table's first (columns renamed between writes) is read through Lance.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ import logging
 import os
 import resource
 import threading
+import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,14 +53,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from lance.file import LanceFileReader
 
-from slafload._compat import data_file_path, file_session
+from slafload._compat import file_session, take_scan
 from slafload.buffers import BytePool
+from slafload.errors import ReaderFallbackWarning
 from slafload.flat_pages import V2_0, V2_1, FlatFile, FlatFiles, FlatRange, read_ranges
+from slafload.fragments import Deletions, Matched, file_versions, stored_names, survey
 from slafload.kernels import NUMPY, Kernels
 from slafload.ranges import expand
 
 logger = logging.getLogger(__name__)
 
+DECLINED = object()  # the reader of a data file read through Lance's take_scan instead
 MAX_OPEN_FILES = 8192  # upper bound of the reader cache; each open reader holds a descriptor
 FD_SHARE = 4  # the reader cache uses at most a quarter of the process's descriptors
 STREAMS_AT_ONCE = 128  # read_range streams alive at once (each holds its pages until consumed)
@@ -104,15 +112,6 @@ def direct_by_default(expression: lance.LanceDataset) -> bool:
     return bool(versions) and max(versions) <= (2, 0)
 
 
-def file_versions(expression: lance.LanceDataset) -> set[tuple[int, int]]:
-    """The Lance file formats ``(major, minor)`` of a pinned table version's data files."""
-    return {
-        (f.file_major_version, f.file_minor_version)
-        for fragment in expression.get_fragments()
-        for f in fragment.metadata.files
-    }
-
-
 @dataclass(eq=False)
 class _Open:
     """A cached file reader (``None`` until its first user opens it: a :class:`FlatFile` where
@@ -120,7 +119,7 @@ class _Open:
     it (pylance file readers refuse concurrent calls).
     """
 
-    reader: LanceFileReader | FlatFile | None = None
+    reader: LanceFileReader | FlatFile | Any = None  # Any: DECLINED
     lock: threading.Lock = field(default_factory=threading.Lock)
     provisional: bool = False  # Lance's reader until the mini-block decoder is ready
 
@@ -219,12 +218,23 @@ class DataFiles:
         self._lock = threading.Lock()  # guards _open against workers opening readers
         self._in_turn = threading.Lock()  # one fetch's reads at a time on the one-thread path
         self._session: Any | None = None  # a LanceFileSession where pylance has one
+        self.table: Matched | None = None  # field-id names and deletions (set by examine)
+        self._notice: str | None = None  # why a data file is read through Lance
+        self._warned = False
         if remote and len({p.rsplit("/", 1)[0] for p in self.paths}) == 1:
             base = self.paths[0].rsplit("/", 1)[0]
             self._session = file_session(base, self.storage_options)
 
     @classmethod
     def of(
+        cls, expression: lance.LanceDataset, columns: Sequence[str], *args: Any, **kwargs: Any
+    ) -> DataFiles | None:
+        """:meth:`examine` (same arguments), with ``None`` where it declines."""
+        found = cls.examine(expression, columns, *args, **kwargs)
+        return found if isinstance(found, DataFiles) else None
+
+    @classmethod
+    def examine(
         cls,
         expression: lance.LanceDataset,
         columns: Sequence[str],
@@ -236,59 +246,42 @@ class DataFiles:
         kernels: Kernels = NUMPY,
         pool: BytePool | None = None,
         mini: bool = False,
-    ) -> DataFiles | None:
-        """The data files of ``expression``'s pinned version, or ``None`` where reading them
-        directly would not be exact (see the module docstring).
+    ) -> DataFiles | str:
+        """The data files of ``expression``'s pinned version, or why reading them directly
+        would not be exact (see the module docstring and :mod:`slafload.fragments`).
 
         ``flat``: read the version's local files without Lance's decoder where exact
         (:mod:`slafload.flat_pages`): Lance 2.0 files, and with ``mini`` 2.1+ files when
         ``kernels`` are numba's (their mini-block pages decoded by a kernel,
         :mod:`slafload.miniblock`; the numpy decoder is the reference, slower than Lance's).
         """
-        fragments = expression.get_fragments()
-        if not fragments:
-            return None
-        paths: list[str] = []
-        rows: list[int] = []
-        fields: list[int] | None = None  # the field ids of every data file
+        found = survey(expression)
+        if isinstance(found, str):
+            return found
         mini = mini and kernels.backend == "numba"  # 2.1+ pages are decoded by a kernel
-        readable = False  # any data file in a format flat reads read
-        versions: list[tuple[int, int]] = []
-        for fragment in fragments:
-            meta = fragment.metadata
-            files = meta.files
-            if len(files) != 1 or meta.deletion_file is not None:
-                return None
-            (data,) = files
-            if getattr(data, "base_id", None) is not None:
-                return None
-            if fields is None:
-                fields = list(data.fields)
-            elif list(data.fields) != fields:
-                return None
-            paths.append(f"{expression.uri.rstrip('/')}/data/{data_file_path(data)}")
-            rows.append(meta.physical_rows)
-            versions.append((data.file_major_version, data.file_minor_version))
-            readable = readable or versions[-1] in V2_0 or (mini and versions[-1] in V2_1)
-        starts = np.concatenate([[0], np.cumsum(rows)])
-        flat = flat and readable
-        direct = cls(paths, starts, storage_options, max_open, threads, flat=flat,
+        versions = found.versions
+        flat = flat and any(v in V2_0 or (mini and v in V2_1) for v in versions)
+        starts = np.concatenate([[0], np.cumsum(found.rows)])
+        direct = cls(found.paths, starts, storage_options, max_open, threads, flat=flat,
                      kernels=kernels, pool=pool, versions=versions, mini=mini)  # fmt: skip
         try:
-            reader = direct._new_reader(0, tuple(columns))
-            stored = reader.metadata().schema
-            if not flat:  # the reader the reads would open first anyway
-                direct._entry(0, tuple(columns)).reader = reader
+            stored = direct._new_reader(0, None).metadata().schema
         except Exception as exc:  # an unreadable file is the scan's to report, not ours
-            logger.debug("not reading data files directly: %r", exc)
-            return None
-        wanted = expression.schema
-        for name in columns:
-            idx = stored.get_field_index(name)
-            if idx < 0 or stored.field(idx).type != wanted.field(name).type:
-                return None
+            return f"its first data file cannot be opened ({type(exc).__name__}: {exc})"
+        names = stored_names(expression, found.fields, stored, columns)
+        if isinstance(names, str):
+            return names
+        direct.table = Matched(
+            expression, names, tuple(stored.names), Deletions(expression, found.deleted)
+        )
         if int(direct.starts[-1]) != expression.count_rows():
-            return None
+            return (
+                f"its fragments hold {int(direct.starts[-1])} live rows but the table counts "
+                f"{expression.count_rows()}"
+            )
+        if not flat:  # the reader the reads would open first anyway
+            cols = tuple(names[c] for c in columns)
+            direct._entry(0, cols).reader = direct._new_reader(0, cols)
         return direct
 
     @property
@@ -335,22 +328,29 @@ class DataFiles:
         overlaps its decoding on Lance's threads. The pool's threads end with their tasks (it
         is shut down without waiting), so nothing outlives a fetch that is dropped half read.
         """
-        cols = tuple(columns)
+        names = tuple(columns)
+        cols = names if self.table is None else tuple(self.table.names[c] for c in names)
         which, file, lo, n = self.pieces(rows)
         keep = _pieces_kept(rows, wanted, which, self.starts[file] + lo, n)
+        job = _Job(cols, names, [None] * len(file), keep, [], [])
+        if self.table is not None:  # each piece's live rows, for a file read through Lance
+            job.live.extend(zip((self.starts[file] + lo).tolist(), n.tolist(), strict=True))
+            job.live_keep.extend(keep)
+            if self.table.deletions:
+                lo, n, keep = self._physical(file, lo, n, keep)
+                job.keep[:] = keep
         by_file: dict[int, list[tuple[int, int, int]]] = {}
         for k, (f, a, m) in enumerate(zip(file.tolist(), lo.tolist(), n.tolist(), strict=True)):
             by_file.setdefault(f, []).append((k, a, m))
         files = list(by_file.items())
         n_tasks = min(self.threads, len(files))
         window = max(1, STREAMS_AT_ONCE // n_tasks)  # streams alive per fetch, in all
-        tables: list[pa.Table | None] = [None] * len(file)
         plans = [_windows(files[t::n_tasks], window, first=t == 0) for t in range(n_tasks)]
         events = [[threading.Event() for _ in plan] for plan in plans]  # one per window
         pool = ThreadPoolExecutor(n_tasks, "slafload-read")
         try:
             tasks = [
-                pool.submit(self._read_windows, plan, cols, tables, done, keep)
+                pool.submit(self._read_windows, plan, job, done)
                 for plan, done in zip(plans, events, strict=True)
             ]
         finally:
@@ -364,16 +364,29 @@ class DataFiles:
         parts: list[list[int]] = [[] for _ in range(len(rows))]
         for k, w in enumerate(which.tolist()):
             parts[w].append(k)
-        return [_Pending([owner[k] for k in p], tables, p) for p in parts]
+        return [_Pending([owner[k] for k in p], job.tables, p, self.notice) for p in parts]
+
+    def _physical(
+        self, file: np.ndarray, lo: np.ndarray, n: np.ndarray, keep: list[np.ndarray | None]
+    ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray | None]]:
+        """The pieces' physical rows and kept runs, deleted rows skipped
+        (:meth:`slafload.fragments.Deletions.physical`).
+        """
+        assert self.table is not None
+        deletions = self.table.deletions
+        lo, n, keep = lo.copy(), n.copy(), list(keep)
+        for k, f in enumerate(file.tolist()):
+            if f in deletions.files:
+                lo[k], n[k], keep[k] = deletions.physical(f, int(lo[k]), int(n[k]), keep[k])
+        return lo, n, keep
 
     def _read_windows(
-        self, plan: list[list[tuple[int, int, int, int]]], cols: tuple[str, ...],
-        tables: list[pa.Table | None], done: list[threading.Event],
-        keep: Sequence[np.ndarray | None],
+        self, plan: list[list[tuple[int, int, int, int]]], job: _Job,
+        done: list[threading.Event],
     ) -> None:  # fmt: skip
         """Read one task's pieces ``(file, k, first row, rows)``, window by window, into
-        ``tables[k]`` (only the rows ``keep[k]`` names, where it names any), setting a window's
-        event ``done[i]`` once it is read (and every event left, if the task fails).
+        ``job.tables[k]`` (only the rows ``job.keep[k]`` names, where it names any), setting a
+        window's event ``done[i]`` once it is read (and every event left, if the task fails).
 
         A task per thread, not per file or range, and each piece read whole by one call: every
         Python step of a read (a future, a queue hand-off, a batch pulled) must take the GIL
@@ -392,20 +405,33 @@ class DataFiles:
         try:
             with self._in_turn if self.threads == 1 else contextlib.nullcontext():
                 for some, read in zip(plan, done, strict=True):
-                    self._open_window(some, cols)
-                    streams = [self._stream(f, cols, a, m) for f, _, a, m in some]
-                    flat = self._read_flat(streams, [keep[k] for _, k, _, _ in some])
+                    self._open_window(some, job.cols)
+                    streams = [self._stream(f, job.cols, a, m) for f, _, a, m in some]
+                    flat = self._read_flat(streams, [job.keep[k] for _, k, _, _ in some])
                     for i, ((_, k, _, _), stream) in enumerate(zip(some, streams, strict=True)):
                         if i in flat:  # read flat: the kept rows only
-                            tables[k] = flat[i]
-                            continue
-                        table = stream.to_table()  # one call: the GIL is taken back once
-                        ranges = keep[k]
-                        tables[k] = table if ranges is None else keep_rows(table, ranges)
+                            job.tables[k] = job.named(flat[i])
+                        elif stream is DECLINED:
+                            job.tables[k] = self._through_lance(job, k)
+                        else:
+                            table = stream.to_table()  # one call: the GIL is taken back once
+                            ranges = job.keep[k]
+                            table = table if ranges is None else keep_rows(table, ranges)
+                            job.tables[k] = job.named(table)
                     read.set()
         finally:
             for read in done:
                 read.set()
+
+    def _through_lance(self, job: _Job, k: int) -> pa.Table:
+        """Piece ``k`` of ``job`` read by Lance's ``take_scan`` (its file is :data:`DECLINED`)."""
+        assert self.table is not None
+        first, rows = job.live[k]
+        batches = take_scan(self.table.expression, [(first, first + rows)],
+                            columns=list(job.names), batch_readahead=1)  # fmt: skip
+        table = pa.Table.from_batches(list(batches))
+        ranges = job.live_keep[k]
+        return table if ranges is None else keep_rows(table, ranges)
 
     def _read_flat(
         self, streams: list[Any], keep: Sequence[np.ndarray | None]
@@ -453,6 +479,9 @@ class DataFiles:
             return  # one file: _opened opens it as well
         opened = self._flat_files.open_many([self.paths[f] for f in todo], cols)
         for entry, flat in zip(todo.values(), opened, strict=True):
+            if flat is not None and not self._fits(flat):
+                flat.close()  # _opened decides what reads it
+                flat = None
             if flat is None:
                 continue
             with entry.lock:
@@ -468,11 +497,14 @@ class DataFiles:
         entry = self._entry(index, cols)
         with entry.lock:
             reader = self._opened(entry, index, cols)
+            if reader is DECLINED:
+                return DECLINED  # read through Lance by the caller
             if isinstance(reader, FlatFile):  # read with the window's other flat ranges
                 return FlatRange(reader, start, rows)
             # One batch per range, so nothing to read ahead: pylance's default of 16 cost
             # ~5% more CPU per range, measured on the 5M-cell atlas.
-            return reader.read_range(start, rows, batch_size=rows, batch_readahead=1)
+            lance_reader: Any = reader
+            return lance_reader.read_range(start, rows, batch_size=rows, batch_readahead=1)
 
     def _entry(self, index: int, cols: tuple[str, ...]) -> _Open:
         key = (index, cols)
@@ -486,19 +518,71 @@ class DataFiles:
                 self._open.popitem(last=False)  # a thread using it keeps its reference
             return entry
 
-    def _new_reader(self, index: int, cols: tuple[str, ...]) -> LanceFileReader:
+    def _new_reader(self, index: int, cols: tuple[str, ...] | None) -> LanceFileReader:
+        """Lance's reader of ``cols`` of data file ``index`` (``None``: every column)."""
+        columns = None if cols is None else list(cols)
         if self._session is not None:
-            return self._session.open_reader(self.paths[index].rsplit("/", 1)[1], list(cols))
+            return self._session.open_reader(self.paths[index].rsplit("/", 1)[1], columns)
         return LanceFileReader(
-            self.paths[index], storage_options=self.storage_options, columns=list(cols)
+            self.paths[index], storage_options=self.storage_options, columns=columns
         )
+
+    def _lance_reader(self, index: int, cols: tuple[str, ...]) -> LanceFileReader | object:
+        """Lance's reader of ``cols`` of data file ``index``, or :data:`DECLINED` where the
+        file stores other names than the table's first data file (see :meth:`_fits`).
+        """
+        try:
+            reader = self._new_reader(index, cols)
+        except Exception:
+            if self.table is None or self._fits(self._new_reader(index, None)):
+                raise  # not a name the file lacks: the read reports it
+            return self._decline(index)
+        return reader if self._fits(reader) else self._decline(index)
+
+    def _fits(self, reader: LanceFileReader | FlatFile) -> bool:
+        """Whether ``reader``'s file stores the columns under the names the reads ask for:
+        those of the table's first data file (every file lists the same field ids,
+        :func:`~slafload.fragments.survey`, so the names are at the same places).
+        """
+        if self.table is None:
+            return True
+        if isinstance(reader, FlatFile):
+            return reader.names == self.table.file_names
+        return tuple(reader.metadata().schema.names) == self.table.file_names
+
+    def _decline(self, index: int) -> object:
+        """Mark data file ``index`` to be read through Lance, and say so once."""
+        self._note(
+            f"data file {self.paths[index]} stores its columns under other names than the "
+            "table's first data file (columns renamed between writes), so its rows are read "
+            "through Lance's take_scan, ~0.2-0.5 ms more per range"
+        )
+        return DECLINED
+
+    def _note(self, notice: str) -> None:
+        """Keep the first ``notice`` of a data file left to Lance, for :meth:`notice`."""
+        with self._lock:
+            if self._notice is None:
+                self._notice = notice
+
+    def notice(self) -> None:
+        """Warn, once, that a data file is read through Lance (on the thread that reads the
+        batches: a warning raised as an error there reaches the caller).
+        """
+        if self._notice is not None and not self._warned and self.table is not None:
+            self._warned = True
+            uri = self.table.expression.uri
+            warnings.warn(f"{uri}: {self._notice}", ReaderFallbackWarning, stacklevel=2)
 
     def _opened(
         self, entry: _Open, index: int, cols: tuple[str, ...]
-    ) -> LanceFileReader | FlatFile:
+    ) -> LanceFileReader | FlatFile | object:
         """``entry``'s reader of data file ``index``, opened on first use: flat where the
-        file allows it (:mod:`slafload.flat_pages`), else Lance's.
+        file allows it (:mod:`slafload.flat_pages`), else Lance's; :data:`DECLINED` where
+        the file stores other names than the reads ask for.
         """
+        if entry.reader is DECLINED:
+            return entry.reader
         if entry.reader is None or (entry.provisional and self._decoder_ready()):
             flat = None
             # A 2.1+ file opened before the decoder is loaded (numba's import takes ~0.5 s)
@@ -507,11 +591,21 @@ class DataFiles:
             v2_0 = None if self._v2_0 is None else self._v2_0[index]  # None: not known
             if self.flat and (mini or v2_0 is not False):
                 flat = self._flat_files.open(self.paths[index], cols, mini=mini)
+                if flat is None and (mini or v2_0):
+                    self._note(
+                        f"data file {self.paths[index]} holds pages the flat reader does not "
+                        "decode (an encoding, nulls or compression it does not read), so it "
+                        "is read by Lance's file reader, several times the CPU per range"
+                    )
+            if flat is not None and not self._fits(flat):
+                flat.close()
+                flat, entry.reader = None, self._decline(index)
             entry.provisional = self.flat and self._flat_files.mini and not mini and not v2_0
+            entry.provisional = entry.provisional and entry.reader is not DECLINED
             if flat is not None:
                 entry.reader = flat
             elif entry.reader is None:
-                entry.reader = self._new_reader(index, cols)
+                entry.reader = self._lance_reader(index, cols)
         return entry.reader
 
     def _decoder_ready(self) -> bool:
@@ -581,6 +675,22 @@ def _windows(
     return [*windows, some] if some else windows
 
 
+@dataclass(frozen=True, eq=False)
+class _Job:
+    """One :meth:`DataFiles.read` call, as its read threads share it."""
+
+    cols: tuple[str, ...]  # the columns as the data files store them
+    names: tuple[str, ...]  # ...and as the table names them (what the tables are given)
+    tables: list[pa.Table | None]  # each piece's rows, once read
+    keep: list[np.ndarray | None]  # each piece's kept runs, relative to its first row read
+    live: list[tuple[int, int]]  # each piece's first dataset row and rows (with a table)
+    live_keep: list[np.ndarray | None]  # ...and its kept runs in those rows
+
+    def named(self, table: pa.Table) -> pa.Table:
+        """``table`` with the table's column names."""
+        return table if self.cols == self.names else table.rename_columns(list(self.names))
+
+
 class _Pending(Sequence[pa.RecordBatch]):
     """One range's batches: its pieces' tables, each waited for (its window's event) on use.
 
@@ -589,9 +699,10 @@ class _Pending(Sequence[pa.RecordBatch]):
 
     def __init__(
         self, waits: list[tuple[Future, threading.Event]], tables: list[pa.Table | None],
-        pieces: list[int],
+        pieces: list[int], notice: Callable[[], None] = lambda: None,
     ):  # fmt: skip
         self._waits, self._tables, self._pieces = waits, tables, pieces
+        self._notice = notice
         self._batches: list[pa.RecordBatch] | None = None
 
     def _all(self) -> list[pa.RecordBatch]:
@@ -604,6 +715,7 @@ class _Pending(Sequence[pa.RecordBatch]):
                     error = task.exception()  # the task has failed: wait for its error
                     raise error if error is not None else RuntimeError(f"piece {k} not read")
                 batches.extend(b for b in table.to_batches() if b.num_rows)
+            self._notice()
             self._batches = batches
         return self._batches
 

@@ -33,7 +33,9 @@ from slafload.errors import (
     InconsistentDataError,
     MissingTableError,
     SchemaError,
+    SlafloadError,
 )
+from slafload.fragments import version_error
 from slafload.offsets import CellOffsets
 
 if TYPE_CHECKING:
@@ -185,13 +187,32 @@ def open_dataset(
     config = _read_config(uri, opts)
     versions = _requested_versions(version)
     tables = {name: _open_table(uri, config, name, versions.get(name), opts) for name in TABLES}
-    _check_schema(uri, tables)
-    cell_start = _cell_offsets(uri, tables)
-    _check_counts(uri, config, tables, cell_start, pinned=bool(versions))
-    _spot_check_expression(uri, tables["expression"], cell_start)
+    try:
+        _check_schema(uri, tables)
+        cell_start = _cell_offsets(uri, tables)
+        _check_counts(uri, config, tables, cell_start, pinned=bool(versions))
+        _spot_check_expression(uri, tables["expression"], cell_start)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # BaseException: pylance's panics are
+        _raise_version_skew(uri, exc, tables)
+        raise
     ds = SlafDataset(uri=uri, config=config, cell_start=cell_start, storage_options=opts, **tables)
     logger.info("opened %r", ds)
     return ds
+
+
+def _raise_version_skew(
+    uri: str, exc: BaseException, tables: Mapping[str, lance.LanceDataset]
+) -> None:
+    """Raise :class:`LanceVersionError` where ``exc`` (or, for an error of ours, its cause)
+    is the installed pylance failing on a Lance format another release wrote.
+    """
+    cause = exc.__cause__ if isinstance(exc, SlafloadError) else exc
+    if cause is not None and not isinstance(cause, SlafloadError):
+        skew = version_error(uri, cause, tables)
+        if skew is not None:
+            raise skew from cause
 
 
 def _join(uri: str, name: str) -> str:
@@ -281,6 +302,7 @@ def _open_table(
     try:
         return lance.dataset(path, version=version, storage_options=storage_options)
     except Exception as exc:  # Lance raises plain OSError/ValueError with Rust messages.
+        _raise_version_skew(uri, exc, {})
         raise MissingTableError(
             f"Cannot open the {name} table {path!r}"
             + (f" at version {version}" if version is not None else "")
@@ -486,6 +508,19 @@ def _check_counts(
         )
 
 
+def _rows_of(expression: lance.LanceDataset, rows: np.ndarray) -> np.ndarray:
+    """``cell_integer_id`` of the sorted dataset ``rows``: one ``take``, or a scanner per row
+    where the table has deleted rows (Lance's ``take`` then costs ~10 ms a row, a scanner's
+    ``offset`` ~0.5 ms).
+    """
+    if not any(f.metadata.deletion_file is not None for f in expression.get_fragments()):
+        return expression.take(rows.tolist(), columns=["cell_integer_id"]).column(0).to_numpy()
+    return np.concatenate([
+        expression.scanner(columns=["cell_integer_id"], offset=r, limit=1).to_table()
+        .column(0).to_numpy() for r in rows.tolist()
+    ])  # fmt: skip
+
+
 def _spot_check_expression(
     uri: str, expression: lance.LanceDataset, cell_start: CellOffsets
 ) -> None:
@@ -503,7 +538,7 @@ def _spot_check_expression(
     cells = np.unique(np.array(picked, dtype=np.int64))
     rows = np.unique(np.concatenate([cell_start[cells], cell_start[cells + 1] - 1]))
     try:
-        got = expression.take(rows.tolist(), columns=["cell_integer_id"]).column(0).to_numpy()
+        got = _rows_of(expression, rows)
     except Exception as exc:  # Lance reports a damaged data file as a plain OSError
         raise MissingTableError(
             f"expression.lance in {uri!r}: reading column 'cell_integer_id' failed, so a data "

@@ -35,6 +35,12 @@ class InconsistentDataError(DatasetError):
     """The tables disagree with each other (ordering, offsets, counts, value ranges)."""
 
 
+class LanceVersionError(DatasetError):
+    """The installed pylance cannot read a table's Lance file format (written by another
+    pylance release): not damage to the data.
+    """
+
+
 class VocabularyError(SlafloadError, ValueError):
     """A vocabulary file is malformed, or a dataset's genes do not fit a vocabulary."""
 
@@ -61,3 +67,9 @@ class StateError(LoaderError, ValueError):
 
 class LayoutError(SlafloadError, ValueError):
     """A tokenizer cannot be used with the requested ``layout`` or ``tokenize_on``."""
+
+
+class ReaderFallbackWarning(UserWarning):
+    """A table (or one of its data files) is read through Lance's ``take_scan`` instead of
+    slafload's direct data-file path: exact, but each scattered range costs more.
+    """

@@ -118,10 +118,12 @@ class FlatFile:
     """
 
     def __init__(
-        self, path: str, schema: pa.Schema, columns: Sequence[_Column], fd: int | None = None
-    ):
+        self, path: str, schema: pa.Schema, columns: Sequence[_Column], fd: int | None = None,
+        names: tuple[str, ...] = (),
+    ):  # fmt: skip
         self.path = path
         self.schema = schema
+        self.names = names  # every column the file stores, by the name it stores it under
         self._columns = list(columns)
         self.fd = _open_fd(path) if fd is None else fd  # owned from here on
         self._owned = self.fd  # (a finalizer would be three more objects for the GC to walk)
@@ -196,6 +198,7 @@ class FlatFile:
                     return None, None
                 picked.append(column)
             flat.schema = pa.schema([stored.field(name) for name in columns])
+            flat.names = tuple(stored.names)
             flat._columns = picked
             n_check = CHECK_ROWS if rows is None else CHECK_MINI_ROWS
             agrees = not check[rows is not None] or flat._agrees(
@@ -319,11 +322,13 @@ class FileFormat:
     # Each fixed-width field's (index, dtype), by name: looked up at every open.
     _fields: dict[str, tuple[int, np.dtype | None]] = field(init=False, repr=False, compare=False)
     _schemas: dict[tuple[str, ...], pa.Schema] = field(init=False, repr=False, compare=False)
+    _names: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fields = {f.name: (i, _dtype(f.type) if _fixed(f.type) else None)
                   for i, f in enumerate(self.schema)}  # fmt: skip
         object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "_names", tuple(self.schema.names))
         object.__setattr__(self, "_schemas", {})
 
     @classmethod
@@ -429,7 +434,7 @@ class FileFormat:
         if picked is None:
             os.close(fd)
             return None
-        return FlatFile(path, self._schema_of(columns), picked, fd)
+        return FlatFile(path, self._schema_of(columns), picked, fd, self._names)
 
     def _schema_of(self, columns: Sequence[str]) -> pa.Schema:
         """The Arrow schema of ``columns`` (memoized: every open asks for it)."""

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -41,7 +42,8 @@ from slafload._validate import check_int
 from slafload.buffers import BytePool
 from slafload.data_files import DataFiles, direct_by_default, is_remote
 from slafload.dataset import SlafDataset
-from slafload.errors import ReadError, SlafloadError
+from slafload.errors import ReaderFallbackWarning, ReadError, SlafloadError
+from slafload.fragments import version_error
 from slafload.kernels import NUMPY, Kernels, prepare_reads
 from slafload.ranges import coalesce, describe, expand_ranges, span_ends
 from slafload.types import Fetch
@@ -115,7 +117,7 @@ class Reader:
             self._direct = direct_by_default(self.dataset.expression)
         if self._direct and self._files is None:
             o = self.options
-            self._files = DataFiles.of(
+            found = DataFiles.examine(
                 self.dataset.expression,
                 COLUMNS,
                 storage_options=self.dataset.storage_options,
@@ -125,6 +127,16 @@ class Reader:
                 pool=o.pool,
                 mini=o.mini,
             )
+            if isinstance(found, str):
+                warnings.warn(
+                    f"{self.dataset.uri}: scattered reads (block sampling, shuffled blocks) "
+                    f"go through Lance's take_scan, not slafload's direct data-file path, "
+                    f"because {found}. The rows are the same; each scattered range costs "
+                    "several times more, growing with the table's data files.",
+                    ReaderFallbackWarning,
+                    stacklevel=2,
+                )
+            self._files = found if isinstance(found, DataFiles) else None
             self._direct = self._files is not None
             if self._files is not None and self._files.flat:
                 prepare_reads(o.kernels)  # compiled on the loader's thread, not the reads'
@@ -155,9 +167,14 @@ class Reader:
                 yield from started(self._scan(int(rows[0, 0]), int(rows[0, 1]), columns))
             else:
                 yield from self._read_many(rows)
-        except SlafloadError:
+        except (SlafloadError, GeneratorExit, KeyboardInterrupt, SystemExit):
             raise
-        except Exception as exc:
+        except BaseException as exc:  # BaseException: pylance's panics are
+            skew = version_error(self.dataset.uri, exc, {"expression": self.dataset.expression})
+            if skew is not None:
+                raise skew from exc
+            if not isinstance(exc, Exception):
+                raise
             raise ReadError(
                 f"Reading {fetch!r} (expression rows {describe(rows)}) from "
                 f"{self.dataset.uri!r} failed: {type(exc).__name__}: {exc}"
@@ -219,7 +236,12 @@ class Reader:
             return iter(())
         expression = self.dataset.expression
         wanted = [ranges[i] for i in which.tolist()]
-        if (spans[which, 1] - spans[which, 0]).sum() < TAKE_BELOW_ROWS * len(which):
+        files = self.data_files()
+        # Lance's take by row offset costs ~10 ms a row once a table has deleted rows: the
+        # data files (which skip them) read those tables' tiny spans too.
+        deleted = files is not None and files.table is not None and bool(files.table.deletions)
+        tiny = (spans[which, 1] - spans[which, 0]).sum() < TAKE_BELOW_ROWS * len(which)
+        if tiny and not deleted:
             ids = pa.array(expand_ranges(np.concatenate(wanted)))
             table = expression.take(ids, columns=COLUMNS)
             ends = np.cumsum([int((w[:, 1] - w[:, 0]).sum()) for w in wanted]).tolist()
@@ -227,7 +249,6 @@ class Reader:
                 _nonempty(table.slice(a, b - a).to_batches())
                 for a, b in zip([0, *ends[:-1]], ends, strict=True)
             )
-        files = self.data_files()
         if files is not None:  # one read_range per piece on an open file: no per-range open
             # The read threads keep a sparse span's wanted rows as soon as they read each piece
             # (a span's ranges ascend without overlap: `coalesce` starts a new span at a repeat).

@@ -113,10 +113,15 @@ def test_the_reader_takes_the_direct_path_and_its_fetches_match_take_scan(datase
     assert direct.data_files() is not None and scan.data_files() is None
 
 
-def test_a_table_with_deleted_rows_falls_back_to_take_scan(dataset):
-    lance.dataset(dataset.expression.uri).delete("gene_integer_id = 3")
+def test_a_table_with_deleted_rows_reads_the_same_rows_as_take_scan(dataset):
+    lance.dataset(dataset.expression.uri).delete("gene_integer_id = 3 OR cell_integer_id = 0")
     deleted = lance.dataset(dataset.expression.uri)
-    assert DataFiles.of(deleted, COLUMNS) is None
+    files = DataFiles.of(deleted, COLUMNS)
+    assert files is not None and int(files.starts[-1]) == deleted.count_rows()
+    rows = np.array([[0, 5], [100, 700], [1500, 1600], [3000, deleted.count_rows()]])
+    for (a, b), batches in zip(rows.tolist(), files.read(rows, COLUMNS), strict=True):
+        want = pa.Table.from_batches(list(deleted._ds.take_scan([(a, b)], COLUMNS)))
+        assert pa.Table.from_batches(batches).equals(want)
 
 
 def test_a_table_with_an_added_column_file_falls_back(tmp_path):
