@@ -51,6 +51,7 @@ from slafload.presets import (
 )
 from slafload.tokenizers.builtin import _fill_rows
 from slafload.types import Chunk, RankedChunk
+from slafload.value_kind import warn_unless_counts
 
 TARGET_SUM = 10_000
 PathOrDict = str | os.PathLike[str] | dict
@@ -250,6 +251,10 @@ def geneformer_v2(
                 f"the token dictionary has no {missing}: V2 wraps cells in <cls> ... <eos>; "
                 "use the V2 dictionary (token_dictionary_gc104M.pkl) or geneformer_v1"
             )
+    warn_unless_counts(
+        dataset, f"preset {name!r} (count / n_counts * 10,000 / median)",
+        "convert the raw counts (slafload convert --raw or --layer NAME)",
+    )  # fmt: skip
     names = gene_names(dataset, gene_column)
     if collapse_gene_ids:
         mapping = (

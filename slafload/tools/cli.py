@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import polars as pl
 
@@ -187,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from slafload import open_dataset
     from slafload.tools.convert import convert
+    from slafload.value_kind import COUNTS, value_kind
 
     if len(args.paths) < 2:
         raise ValueError("give at least one input .h5ad and then the output path")
@@ -203,9 +204,11 @@ def _convert(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     ds = open_dataset(path)
+    kind = value_kind(ds).kind
+    what = "counts" if kind == COUNTS else "not counts: presets that normalise counts warn"
     print(
         f"wrote {path}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros "
-        f"({ds.value_type})"
+        f"({ds.value_type}, {what})"
     )
     return 0
 
@@ -213,6 +216,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from slafload import open_dataset
     from slafload.tools.optimize import file_format
+    from slafload.value_kind import value_kind
 
     ds = open_dataset(args.path)
     fmt = file_format(ds.expression)
@@ -225,6 +229,7 @@ def _info(args: argparse.Namespace) -> int:
         f"non-zeros  {ds.n_rows:,} ({ds.n_rows / ds.n_cells:,.1f} per cell)",
         f"sparsity   {1 - ds.n_rows / total:.4%}",
         f"values     {ds.value_type}, gene ids {ds.gene_type}",
+        f"kind       {value_kind(ds)}, range {_range(ds)}",
         "tables     "
         + "; ".join(
             f"{name}: version {version}, {len(getattr(ds, name).get_fragments())} fragment(s)"
@@ -239,6 +244,14 @@ def _info(args: argparse.Namespace) -> int:
             lines.append(f"  {name}: {_describe(ds.obs([name]).get_column(name))}")
     print("\n".join(lines))
     return 0
+
+
+def _range(ds: Any) -> str:
+    """The values' range as config.json records it (no scan of the data)."""
+    from slafload.value_kind import value_range
+
+    recorded = value_range(ds)
+    return "not recorded" if recorded is None else f"[{recorded[0]:g}, {recorded[1]:g}]"
 
 
 def _describe(column: pl.Series) -> str:
