@@ -2,7 +2,8 @@
 
 Each dataset holds cells whose gene counts sit around ``max_genes`` (and scGPT's width
 ``max_genes + 2``), with ``max_genes`` at the edges of ``int8``/``uint8``/``int16``/``uint16``
-(a width one past a type's maximum once made every full row's ``attention_mask`` all false).
+(a narrow type that holds ``-width`` but not ``width`` turns a full row's ``attention_mask``
+all false).
 Every batch of every tokenizer x layout x kernels x token dtype is compared with a reference
 written from the specification (GUIDE.md section 3) in plain Python, one cell at a time.
 """
