@@ -39,10 +39,12 @@ import torch
 
 from slafload.buffers import RowBuffers, fresh
 from slafload.config import LoaderConfig
+from slafload.errors import LayoutError
 from slafload.kernels import NUMPY, Kernels
 from slafload.ragged import RAGGED_KEY, Ragged, _builtin, ragged_tokens, unmasked
 from slafload.ranking import PendingRank, start_rank
 from slafload.stage import Stage
+from slafload.tokenizers import ScGPT
 from slafload.types import Chunk, RankedChunk, Tokenizer
 
 INT64 = np.dtype(np.int64)
@@ -270,6 +272,7 @@ def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernel
     loops run through ``kernels`` (whose owner closes them).
     """
     layout = make_layout(config.layout, config.token_dtype)
+    _check_value_tokens(tokenizer, layout.token_dtype)
     if config.tokenize_on == "device":
         from slafload.device_tokenize import DeviceTokens
 
@@ -280,6 +283,20 @@ def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernel
         RowBuffers(rows=config.piece_cells),
         kernels,
     )
+
+
+def _check_value_tokens(tokenizer: Tokenizer, dtype: np.dtype) -> None:
+    """Refuse an scGPT value offset whose tokens ``dtype`` cannot hold (they would wrap)."""
+    if not isinstance(tokenizer, ScGPT):
+        return
+    low, high = tokenizer.value_offset, tokenizer.value_offset + tokenizer.n_bins - 1
+    limits = np.iinfo(dtype)
+    if low < limits.min or high > limits.max:
+        raise LayoutError(
+            f"token_dtype={dtype.name!r} cannot hold tokenizer {tokenizer.name!r}'s value "
+            f"tokens {low}..{high} (value_offset {low}, n_bins {tokenizer.n_bins}); use "
+            "token_dtype='int64' or a value_offset within that range"
+        )
 
 
 class LayOut(Stage[dict[str, np.ndarray]]):

@@ -66,6 +66,7 @@ def test_convert_then_info_describe_the_same_dataset(tmp_path, h5ads):
     run = slafload_cli("convert", *paths, out, "--shuffle-seed", "1", "--no-progress")
     assert run.returncode == 0, run.stderr
     assert f"{len(counts)} cells x 12 genes" in run.stdout
+    assert "(uint16, counts)" in run.stdout
     ds = open_dataset(out)
     assert ds.n_rows == np.count_nonzero(counts)
     assert sorted(ds.obs()["original_index"].to_list()) == list(range(len(counts)))
@@ -75,10 +76,27 @@ def test_convert_then_info_describe_the_same_dataset(tmp_path, h5ads):
     assert "cells      40" in info.stdout and "genes      12" in info.stdout
     assert f"non-zeros  {np.count_nonzero(counts)}" in info.stdout
     assert "plate: String, 3 distinct: plate_0, plate_1, plate_2" in info.stdout
+    assert f"kind       counts (recorded in config.json), range [1, {counts.max()}]" in info.stdout
     assert "source: String, 2 distinct: part0, part1" in info.stdout
     assert "expression: version 1, 1 fragment(s)" in info.stdout
     assert "format     Lance 2.2 (the expression table's data files); `slafload optimize`" in (
         info.stdout
+    )
+
+
+def test_convert_and_info_say_when_values_are_not_counts(tmp_path, capsys):
+    dense = random_counts(20, 12, seed=5)
+    logged = np.log1p(dense / np.maximum(dense.sum(1, keepdims=True), 1) * 1e4)
+    h5ad = tmp_path / "logged.h5ad"
+    ad.AnnData(sp.csr_matrix(logged.astype(np.float32))).write_h5ad(h5ad)
+    assert main(["convert", str(h5ad), str(tmp_path / "l.slaf"), "--no-progress"]) == 0
+    assert "(float, not counts: presets that normalise counts warn)" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "l.slaf")]) == 0
+    assert "kind       non-integer (recorded in config.json), range [" in capsys.readouterr().out
+    write_dense(tmp_path / "old.slaf", dense)  # no record: decided by the value type
+    assert main(["info", str(tmp_path / "old.slaf")]) == 0
+    assert "kind       counts (uint16 values; not recorded in config.json)" in (
+        capsys.readouterr().out
     )
 
 

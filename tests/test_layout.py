@@ -219,3 +219,17 @@ def test_position_ids_restart_at_every_row_empty_rows_included(dtype):
     assert got.dtype == dtype
     assert got.tolist() == [i for n in lengths for i in range(n)]
     assert len(position_ids(np.zeros(3, dtype=np.int64), np.dtype(dtype))) == 0
+
+
+@pytest.mark.parametrize("tokenize_on", ["producer", "device"])
+def test_int32_tokens_refuse_scgpt_value_tokens_they_cannot_hold(atlas, tokenize_on):
+    from slafload.tokenizers import ScGPT
+
+    too_far = ScGPT(max_genes=8, value_offset=2**31 - 10)  # top token 2**31 + 39
+    with pytest.raises(LayoutError, match="token_dtype='int32' cannot hold .* value_offset"):
+        Loader(atlas, tokenizer=too_far, token_dtype="int32", tokenize_on=tokenize_on)
+    fits = ScGPT(max_genes=8, value_offset=2**31 - 51)  # top token 2**31 - 1
+    with Loader(atlas, tokenizer=fits, token_dtype="int32", batch_size=300,
+                tokenize_on=tokenize_on) as loader:  # fmt: skip
+        values = next(iter(loader))["values"]
+    assert int(values.max()) <= 2**31 - 1 and int(values[values != PAD].min()) >= 2**31 - 51

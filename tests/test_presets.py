@@ -54,7 +54,7 @@ from slafload.presets.scgpt import (
     quantile_edges,
     scgpt,
 )
-from slafload.tools.writer import write_slaf
+from slafload.tools.writer import CsrBlock, write_slaf
 
 SPECIALS = {"<pad>": 0, "<mask>": 1, "<cls>": 2, "<eos>": 3}
 
@@ -85,7 +85,12 @@ def _quiet_scanpy():
 
 
 def geneformer_normalised(dense, ensembl_ids, n_counts, token_dict, median_dict, mapping):
-    """sum_ensembl_ids + tokenize_anndata's normalisation: (x_norm, token of each column)."""
+    """sum_ensembl_ids + tokenize_anndata's normalisation: (x_norm, token of each column).
+
+    The ``.h5ad`` path's expression on a ``float32`` scipy CSR matrix, as written there:
+    ``X_view / n_counts * target_sum / norm_factor_vector`` (scipy multiplies by
+    reciprocals). ``n_counts=None``: ``X.sum(axis=1)`` of the stored matrix, all genes.
+    """
     mapping = {k: v for k, v in mapping.items() if v in token_dict}
     collapsed = [mapping.get(g.upper()) for g in ensembl_ids]
     # sum_ensembl_ids: one column per collapsed id, duplicate ids summed
@@ -97,11 +102,12 @@ def geneformer_normalised(dense, ensembl_ids, n_counts, token_dict, median_dict,
             x[:, where[g]] += dense[:, j]
     tokens = np.array([token_dict[g] for g in unique])
     norm_factor_vector = np.array([median_dict[g] for g in unique])
-    # A cell with n_counts == 0 gives 0/0 = NaN for every gene in the reference (ranked as
-    # garbage); it has no expressed genes, so the preset gives it no genes.
-    with np.errstate(invalid="ignore", divide="ignore"):
-        x_norm = np.nan_to_num(x / n_counts[:, None] * 10_000 / norm_factor_vector)
-    return x_norm, tokens
+    if n_counts is None:
+        n_counts = np.asarray(sp.csr_matrix(dense.astype(np.float32)).sum(axis=1)).ravel()
+    x_view = sp.csr_matrix(x)
+    with np.errstate(divide="ignore"):  # empty cells' zero totals: they store no entry
+        x_norm = sp.csr_matrix(x_view / n_counts[:, None] * 10_000 / norm_factor_vector)
+    return x_norm.toarray(), tokens
 
 
 def geneformer_reference(
@@ -194,7 +200,7 @@ def geneformer_world(tmp_path: Path, *, n_cells=240, n_genes=60, seed=3, with_n_
         var={"gene_id": pa.array([f"g{i}" for i in range(n_genes)]), "ensembl_id": var_ids},
         max_rows_per_file=500,
     )
-    totals = n_counts if with_n_counts else dense.sum(1).astype(np.float64)
+    totals = n_counts if with_n_counts else None
     return path, dense, var_ids, totals, token_dict, medians, mapping, files
 
 
@@ -241,6 +247,62 @@ def test_geneformer_tie_cases_are_counted_and_only_ties_differ(tmp_path):
 def test_geneformer_without_n_counts_uses_each_cells_total_over_all_genes(tmp_path):
     got, args = run_geneformer(tmp_path, loader={"batch_size": 50}, world={"with_n_counts": False})
     assert_identical_but_ties(got, args, size=4096, special=True)
+
+
+def h5ad_cell_reference(genes, counts, n_count, n_genes, token_of, median_of):
+    """One cell through ``tokenize_anndata``'s arithmetic on a scipy CSR row: ``X_view /
+    n_counts * target_sum / norm_factor_vector``, then ``rank_genes``: (tokens, normalised
+    values), both in ``np.argsort(-values)`` order.
+    """
+    x_view = sp.csr_matrix((counts.astype(np.float32), genes, [0, len(genes)]), shape=(1, n_genes))
+    n_counts = np.array([[n_count]], dtype=np.float32)
+    norm_factor_vector = median_of.astype(np.float64)
+    x_norm = sp.csr_matrix(x_view / n_counts * 10_000 / norm_factor_vector)
+    order = np.argsort(-x_norm.data)
+    return token_of[x_norm.indices][order], x_norm.data[order]
+
+
+@pytest.mark.parametrize(("version", "size"), [("v2", 4096), ("v1", 2048)])
+def test_geneformer_equals_the_h5ad_arithmetic_on_atlas_sized_cells(tmp_path, version, size):
+    """~2,000 genes a cell, float32 n_counts: near-equal genes keep the reference's order.
+
+    Dividing instead of multiplying by scipy's reciprocals swaps an adjacent pair of genes in
+    about 1% of such cells, so 400 cells see several of them.
+    """
+    rng = np.random.default_rng(11)
+    n_cells, n_genes, per = 400, 3000, 2000
+    median_of = rng.lognormal(0.0, 1.0, n_genes)  # distinct medians, as in the real files
+    ensembl = [f"ENSG{i:011d}" for i in range(n_genes)]
+    token_of = rng.permutation(n_genes) + len(SPECIALS)
+    token_dict = {**SPECIALS, **dict(zip(ensembl, token_of.tolist(), strict=True))}
+    medians = dict(zip(ensembl, median_of.tolist(), strict=True))
+    genes = np.concatenate(
+        [np.sort(rng.choice(n_genes, per, replace=False)) for _ in range(n_cells)]
+    )
+    counts = (rng.negative_binomial(1, 0.3, n_cells * per) + 1).astype(np.uint16)
+    indptr = np.arange(n_cells + 1) * per
+    totals = np.add.reduceat(counts.astype(np.int64), indptr[:-1])
+    n_counts = (totals + rng.integers(0, 2000, n_cells)).astype(np.float32)  # genes not kept
+    path = write_slaf(
+        tmp_path / "atlas.slaf", [CsrBlock(indptr, genes, counts)], n_genes=n_genes,
+        obs={"n_counts": pa.array(n_counts)}, var={"ensembl_id": ensembl},
+    )  # fmt: skip
+    build = geneformer_v2 if version == "v2" else geneformer_v1
+    preset = build(slafload.open_dataset(path), token_dictionary=token_dict,
+                   gene_median_dictionary=medians)  # fmt: skip
+    got = collect(Loader(path, tokenizer=preset, batch_size=64, n_epochs=1))
+    special, tied = version == "v2", 0
+    for c in range(n_cells):
+        cell = slice(indptr[c], indptr[c + 1])
+        want, values = h5ad_cell_reference(
+            genes[cell], counts[cell], n_counts[c], n_genes, token_of, median_of
+        )
+        if len(np.unique(values)) < len(values):  # exact ties: ordered by token id here
+            tied += 1
+            want = want[np.lexsort((want, -values))]
+        body = got["input_ids"][c, int(special) : got["length"][c] - int(special)]
+        np.testing.assert_array_equal(body, want[: size - 2 * special], f"cell {c}")
+    assert tied < n_cells // 2  # most cells are compared with the unstable argsort as is
 
 
 def test_geneformer_by_name_with_dicts_and_empty_cells(tmp_path):

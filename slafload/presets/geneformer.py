@@ -8,11 +8,20 @@ What ``TranscriptomeTokenizer`` (``geneformer/tokenizer.py``) does, and where it
    -> :class:`GeneformerNormalize` (chunk transform), with a gene -> token lookup built once.
 2. ``value = count / n_counts * 10_000 / median[gene]`` with ``n_counts`` the obs column (here:
    ``cells.lance`` ``n_counts`` when present, else each cell's total over *all* its genes,
-   before dropping) -> the same transform, in numpy's dtypes (see its docstring).
-3. Rank the cell's non-zero genes by decreasing value -> the rank stage (ties by token id;
-   Geneformer's ``np.argsort`` is not stable, so tied genes may come in another order there).
+   before dropping) -> the same transform, with the arithmetic of the ``.h5ad`` path
+   (``tokenize_anndata``) bit for bit: scipy evaluates the divisions on a sparse matrix as
+   multiplications by reciprocals, in ``float32`` for ``float32`` counts and ``n_counts``
+   (see its docstring).
+3. Rank the cell's non-zero genes by decreasing value -> the rank stage.
 4. V2: keep the top ``model_input_size - 2`` and wrap in ``<cls> ... <eos>``; V1: keep the top
    ``model_input_size``, no special tokens -> :class:`GeneformerTokens`.
+
+Two deviations remain, both deliberate:
+
+* Genes whose identifier is listed twice (literal duplicate Ensembl ids) are summed per cell,
+  like ids the mapping makes identical; the reference keeps literal duplicates as two tokens.
+* Genes with exactly equal normalised values are ordered by token id; Geneformer's
+  ``np.argsort`` is not stable, so it orders them as numpy's sort kernel happens to.
 
 Outputs per cell: ``input_ids`` (padded with the dictionary's ``<pad>``), ``attention_mask``
 and ``length``. Geneformer drops cells left without genes; a loader cannot drop cells without
@@ -42,6 +51,7 @@ from slafload.presets import (
 )
 from slafload.tokenizers.builtin import _fill_rows
 from slafload.types import Chunk, RankedChunk
+from slafload.value_kind import warn_unless_counts
 
 TARGET_SUM = 10_000
 PathOrDict = str | os.PathLike[str] | dict
@@ -65,10 +75,15 @@ class GeneformerNormalize:
         target_sum: Geneformer's 10,000.
 
     Output: genes are token ids (ascending within a cell), values ``float64``
-    ``count / n_counts * target_sum / median``. Arithmetic follows the reference's numpy
-    expression: the first division in ``result_type(counts, n_counts)`` (``float32`` for counts
-    stored as integers or ``float32`` with a ``float32`` ``n_counts``), the median division in
-    ``float64``. Summed duplicates are added in ``float32`` (``float64`` for ``float64`` data).
+    ``count / n_counts * target_sum / median`` computed as Geneformer's ``.h5ad`` path
+    (``tokenize_anndata``) computes it on a scipy sparse matrix, bit for bit: counts times
+    ``1 / n_counts`` (the reciprocal in ``n_counts``' own type) in their result type, times
+    ``target_sum`` in that type, times the ``float64`` ``1 / median`` (see
+    :func:`_h5ad_normalize`). Counts stored as integers (``uint16``, as ``slafload convert``
+    writes a ``float32`` count matrix) are taken as ``float32`` counts (``uint32`` and wider
+    as ``float64``, numpy's promotion). Without ``n_counts``, each cell's total is the exact
+    sum rounded once to that type, as scipy's ``X.sum(axis=1)`` gives for integer counts below
+    2**24. Summed duplicates are added in that type too.
     """
 
     token_of_gene: np.ndarray
@@ -86,8 +101,12 @@ class GeneformerNormalize:
                 f"{len(self.token_of_gene)} genes; build the preset from the dataset loaded"
             )
         cell = np.repeat(np.arange(n, dtype=np.int64), chunk.lengths)
+        acc = np.result_type(chunk.values.dtype, np.float32)
         if self.n_counts is None:
+            # ``X.sum(axis=1)`` in X's dtype: the exact total, rounded once (scipy's float32
+            # sum is exact too while totals stay below 2**24)
             totals = np.bincount(cell, weights=chunk.values.astype(np.float64), minlength=n)
+            totals = totals.astype(acc)
         else:
             if n and int(chunk.cell_ids.max()) >= len(self.n_counts):
                 raise SchemaError(
@@ -98,7 +117,6 @@ class GeneformerNormalize:
         tokens = self.token_of_gene[genes]
         keep = np.flatnonzero(tokens >= 0)
         cell, tokens = cell[keep], tokens[keep]
-        acc = np.result_type(chunk.values.dtype, np.float32)
         values = chunk.values[keep].astype(acc, copy=False)
         # Cell-major, then token: one int64 key sorts every cell and exposes duplicates.
         key = cell * (int(self.token_of_gene.max()) + 1) + tokens
@@ -108,10 +126,36 @@ class GeneformerNormalize:
             first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
             values = np.add.reduceat(values, first)
             cell, tokens = cell[first], tokens[first]
-        normalized = values / totals[cell] * self.target_sum / self.median_of_token[tokens]
+        normalized = _h5ad_normalize(
+            values, _reciprocal(totals)[cell], self.target_sum, self.median_of_token[tokens]
+        )
         indptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.bincount(cell, minlength=n), out=indptr[1:])
         return dataclasses.replace(chunk, indptr=indptr, genes=tokens, values=normalized)
+
+
+def _h5ad_normalize(
+    values: np.ndarray, recip_total: np.ndarray, target_sum: int | float, median: np.ndarray
+) -> np.ndarray:
+    """``X / n_counts * target_sum / median`` as scipy evaluates it on a sparse ``X``.
+
+    A sparse matrix divided by a dense array multiplies by ``np.true_divide(1., other)``
+    (``scipy.sparse._base._divide``): ``values * (1 / n_counts)`` in the two arrays' result
+    type (``float32`` for ``float32`` counts and ``n_counts``), times the Python scalar
+    ``target_sum`` in that type, times the ``float64`` ``1 / median``. Dividing instead
+    rounds differently in the last bit, and near-equal genes swap places.
+    """
+    scaled = values * recip_total
+    scaled *= target_sum
+    return scaled * np.true_divide(1.0, median)
+
+
+def _reciprocal(totals: np.ndarray) -> np.ndarray:
+    """``1 / totals`` in their own float type (``float64`` for integers), as numpy divides
+    ``1.`` by them; empty cells' zero totals give ``inf``, never used.
+    """
+    with np.errstate(divide="ignore"):
+        return np.true_divide(1.0, totals)
 
 
 class GeneformerTokens:
@@ -207,6 +251,10 @@ def geneformer_v2(
                 f"the token dictionary has no {missing}: V2 wraps cells in <cls> ... <eos>; "
                 "use the V2 dictionary (token_dictionary_gc104M.pkl) or geneformer_v1"
             )
+    warn_unless_counts(
+        dataset, f"preset {name!r} (count / n_counts * 10,000 / median)",
+        "convert the raw counts (slafload convert --raw or --layer NAME)",
+    )  # fmt: skip
     names = gene_names(dataset, gene_column)
     if collapse_gene_ids:
         mapping = (

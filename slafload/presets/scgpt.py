@@ -52,6 +52,7 @@ from slafload.presets import (
 from slafload.tokenizers.builtin import _lerp
 from slafload.transforms.vocab import GeneRemap
 from slafload.types import RankedChunk
+from slafload.value_kind import warn_unless_counts
 
 TIES, SUBSAMPLE = 0, 1
 _DENSE_BLOCK = 1 << 22  # cells x genes per block of the include_zero_gene layout
@@ -316,6 +317,12 @@ def scgpt(
         raise VocabularyError(
             f"the vocabulary has no {missing}; pass pad_token=/cls_token= as the model names them"
         )
+    if normalize_total is not None or log1p:
+        warn_unless_counts(
+            dataset, "preset 'scgpt-reference' (normalize_total + log1p)",
+            "pass normalize_total=None, log1p=False if they are normalised and log-transformed "
+            "already, or convert the raw counts (slafload convert --raw or --layer NAME)",
+        )  # fmt: skip
     names = gene_names(dataset, gene_column)
     token_of_gene = np.array([token_index.get(g, -1) for g in names], dtype=np.int64)
     known = token_of_gene >= 0

@@ -89,7 +89,9 @@ def copy_cell_tokens(
 def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarray:
     """``attention_mask``: row ``i`` is true on its first ``ends[i]`` columns."""
     mask = _padded(buffers, "attention_mask", np.full(len(ends), width), width, bool, False)
-    small = np.min_scalar_type(-width)  # int16 for any real width: a quarter of int64's work
+    # The smallest type holding 0..width, width included (a full row's end is width): a
+    # quarter or less of int64's work.
+    small = np.min_scalar_type(width)
     np.less(np.arange(width, dtype=small), ends.astype(small)[:, None], out=mask)
     return mask
 

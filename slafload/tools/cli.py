@@ -211,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from slafload import open_dataset
     from slafload.tools.convert import convert
+    from slafload.value_kind import COUNTS, value_kind
 
     if len(args.paths) < 2:
         raise ValueError("give at least one input .h5ad and then the output path")
@@ -228,9 +229,11 @@ def _convert(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     ds = open_dataset(path)
+    kind = value_kind(ds).kind
+    what = "counts" if kind == COUNTS else "not counts: presets that normalise counts warn"
     print(
         f"wrote {path}: {ds.n_cells:,} cells x {ds.n_genes:,} genes, {ds.n_rows:,} non-zeros "
-        f"({ds.value_type})"
+        f"({ds.value_type}, {what})"
     )
     return 0
 
@@ -238,6 +241,7 @@ def _convert(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     from slafload import open_dataset
     from slafload.tools.optimize import file_format
+    from slafload.value_kind import value_kind, value_range
 
     if args.path.endswith((".h5ad", ".h5")) and Path(args.path).is_file():
         raise ValueError(
@@ -255,6 +259,7 @@ def _info(args: argparse.Namespace) -> int:
         f"non-zeros  {ds.n_rows:,} ({ds.n_rows / ds.n_cells:,.1f} per cell)",
         f"sparsity   {1 - ds.n_rows / total:.4%}",
         f"values     {ds.value_type}, gene ids {ds.gene_type}",
+        f"kind       {value_kind(ds)}, range {_range(ds)}",
         "tables     "
         + "; ".join(
             f"{name}: version {version}, {len(getattr(ds, name).get_fragments())} fragment(s)"
@@ -274,6 +279,8 @@ def _info(args: argparse.Namespace) -> int:
             "sparsity": 1 - ds.n_rows / total,
             "value_type": str(ds.value_type),
             "gene_type": str(ds.gene_type),
+            "value_kind": value_kind(ds).kind,
+            "value_range": value_range(ds),
             "versions": dict(ds.versions),
             "fragments": {name: len(getattr(ds, name).get_fragments()) for name in ds.versions},
             "expression_file_format": fmt,
@@ -291,6 +298,14 @@ def _refuse_existing(output: str, overwrite: bool) -> None:
     """A CLI user is told about ``--overwrite`` (the library says ``overwrite=True``)."""
     if not overwrite and Path(output).exists():
         raise FileExistsError(f"{output!r} already exists; pass --overwrite to replace it")
+
+
+def _range(ds: Any) -> str:
+    """The values' range as config.json records it (no scan of the data)."""
+    from slafload.value_kind import value_range
+
+    recorded = value_range(ds)
+    return "not recorded" if recorded is None else f"[{recorded[0]:g}, {recorded[1]:g}]"
 
 
 def _describe(column: pl.Series) -> str:

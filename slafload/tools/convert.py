@@ -19,7 +19,9 @@ Within a cell, genes are written strictly ascending, and duplicate entries summe
 Value storage: integer-valued, non-negative data (integer dtypes, or floats holding whole
 numbers as many count matrices do) is stored as ``uint16`` when the maximum fits, else
 ``uint32``; anything else as ``float32``. This is decided by one streaming pass over the stored
-values before writing. Negative or NaN values are rejected: SLAF holds expression.
+values before writing, which also records in ``config.json`` whether they are counts
+(``"value_kind"``: ``"counts"`` or ``"non-integer"``, see :mod:`slafload.value_kind`).
+Negative or NaN values are rejected: SLAF holds expression.
 
 Pre-shuffle (``shuffle_seed``): cells are written in a seeded random order of blocks of
 ``shuffle_block`` consecutive input cells, so plain sequential streaming already mixes plates.
@@ -42,6 +44,7 @@ import pyarrow as pa
 
 from slafload.tools.progress import progress_bar
 from slafload.tools.writer import CsrBlock, write_slaf
+from slafload.value_kind import CONFIG_KEY, COUNTS, NON_INTEGER
 
 __all__ = ["convert"]
 
@@ -155,15 +158,15 @@ def _convert(
         )
     n_genes = len(var)
     chunk = chunk_cells or int(np.clip(_CELL_BUDGET // max(n_genes, 1), 256, _MAX_CHUNK_CELLS))
-    value_type = _value_type(sources)
+    value_type, kind = _value_type(sources)
     units = _units(sources, chunk, shuffle_seed, shuffle_block)
     obs = _obs_table(sources, source_column)
     if shuffle_seed is not None:
         order = np.concatenate([_global_index(sources, u) for u in units])
         obs = obs.take(pa.array(order)).append_column("original_index", pa.array(order))
     matrix = "X" if layer is None and not raw else ("raw/X" if raw else f"layers/{layer}")
-    logger.info("converting %d input(s), %s, %d cells x %d genes, values %s -> %s",
-                len(sources), matrix, obs.num_rows, n_genes, value_type, output)  # fmt: skip
+    logger.info("converting %d input(s), %s, %d cells x %d genes, values %s (%s) -> %s",
+                len(sources), matrix, obs.num_rows, n_genes, value_type, kind, output)  # fmt: skip
     bar = progress_bar(progress, obs.num_rows, "convert")
     try:
         return write_slaf(
@@ -175,7 +178,7 @@ def _convert(
             var=_arrow_columns(var, "gene_id"),
             max_rows_per_file=max_rows_per_file,
             overwrite=True,
-            extra_config={"converted_from": {
+            extra_config={CONFIG_KEY: kind, "converted_from": {
                 "converter": __name__,
                 "inputs": [s.name for s in sources],
                 "matrix": matrix,
@@ -338,7 +341,8 @@ def _stored_values(matrix: Any, chunk: int) -> Iterator[np.ndarray]:
             yield np.asarray(matrix[lo : lo + chunk]).ravel()
 
 
-def _value_type(sources: list[_Source]) -> pa.DataType:
+def _value_type(sources: list[_Source]) -> tuple[pa.DataType, str]:
+    """The Arrow type the values are stored as, and their kind (:mod:`slafload.value_kind`)."""
     integral, hi = True, 0.0
     for source in sources:
         chunk = max(1, _CELL_BUDGET // max(len(source.var), 1))
@@ -356,11 +360,12 @@ def _value_type(sources: list[_Source]) -> pa.DataType:
             hi = max(hi, float(values.max()))
             if integral and not is_int_dtype:
                 integral = bool(np.all(np.mod(values, 1) == 0))
+    kind = COUNTS if integral else NON_INTEGER
     if integral and hi <= np.iinfo(np.uint16).max:
-        return pa.uint16()
+        return pa.uint16(), kind
     if integral and hi <= np.iinfo(np.uint32).max:
-        return pa.uint32()
-    return pa.float32()
+        return pa.uint32(), kind
+    return pa.float32(), kind
 
 
 # -- cell order and blocks ---------------------------------------------------------------------

@@ -32,6 +32,7 @@ import pyarrow as pa
 
 from slafload.tools.progress import progress_bar
 from slafload.tools.writer import CsrBlock, write_slaf
+from slafload.value_kind import CONFIG_KEY, COUNTS, NON_INTEGER
 
 __all__ = ["write_atlas"]
 
@@ -192,6 +193,7 @@ def _write(path: pathlib.Path, spec: _Spec, progress: bool) -> None:
     cdfs /= cdfs[:, -1:]
     plate_names = np.array([f"plate_{p:02d}" for p in range(n_plates)])
     bar = progress_bar(progress, n_cells, "synthetic atlas")
+    kind = COUNTS if spec.value_dtype == "uint16" else NON_INTEGER  # float32: log-normalised
     try:
         write_slaf(
             path,
@@ -209,7 +211,7 @@ def _write(path: pathlib.Path, spec: _Spec, progress: bool) -> None:
             },
             max_rows_per_file=spec.max_rows_per_file,
             overwrite=True,
-            extra_config={"generator": {
+            extra_config={CONFIG_KEY: kind, "generator": {
                 "name": __name__,
                 "seed": spec.seed,
                 "params": spec.params(),
