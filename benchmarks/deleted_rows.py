@@ -3,11 +3,11 @@
 Writes a SLAF dataset (``--cells`` cells of ~``--rows-per-cell`` rows, ``--rows-per-file``
 rows per data file, Lance format ``--format``) twice: as written, and with every
 ``--delete-every``-th cell's rows deleted (deletion files in every fragment, offsets
-rewritten). Times one epoch of ``BlockShuffle`` fetches read by :class:`slafload.reader.Reader`
+rewritten). Times one epoch of ``BlockShuffle`` fetches read by :class:`slafload.pipeline.reader.Reader`
 on each, rounds interleaved: an epoch by a new reader (which opens the data files and lists each
 fragment's deleted rows on its first read) and a second epoch by the same reader. Writes the
 times and the speed ratios (deleted / plain) to ``--out`` (JSON). Identity with Lance's reads
-is tested in ``tests/test_fragments.py``, not here. Page cache warm (the tables are read before timing).
+is tested in ``tests/_lance/test_fragments.py``, not here. Page cache warm (the tables are read before timing).
 
 Run:  python benchmarks/deleted_rows.py --cells 20000 --rounds 3
 """
@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from slafload import open_dataset
-from slafload.reader import Reader, ReadOptions
+from slafload.pipeline.reader import Reader, ReadOptions
 from slafload.samplers import BlockShuffle
 from slafload.tools.writer import CsrBlock, write_slaf
 

@@ -43,7 +43,7 @@ ROOT = Path.cwd()
 PBMC = "10x_pbmc68k_reduced.h5ad"
 
 
-# -- pieces (tested in tests/test_tune.py) -----------------------------------------------------
+# -- pieces (tested in tests/tools/test_tune.py) -----------------------------------------------------
 
 
 def macro_f1(y_true: np.ndarray, y_pred: np.ndarray) -> float:

@@ -156,7 +156,7 @@ def run_child(dataset: str, spec: str, args: argparse.Namespace, settings: dict)
 
 def plan_cost(n_cells: int, spec: str, batch_size: int) -> dict[str, Any]:
     """Seconds and tracemalloc peak of planning an epoch of ``n_cells`` (no I/O)."""
-    from slafload.partition import rank_share
+    from slafload.pipeline.partition import rank_share
 
     sampler = sampler_of(spec, batch_size)
     tracemalloc.start()

@@ -1,7 +1,7 @@
 """slafload: stream single-cell expression from SLAF datasets to GPU-ready token batches.
 
 The package reads like the pipeline, one module per stage (the chain is built in
-:mod:`slafload.chain`, epochs and resume live in :mod:`slafload.epochs`)::
+:mod:`slafload.pipeline.chain`, epochs and resume live in :mod:`slafload.pipeline.epochs`)::
 
     dataset -> samplers -> partition -> read (reader) -> chunk -> ranking -> tokenize
             -> batcher (layout) -> prefetcher -> loader
@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from slafload import diversity, samplers, synthetic
 from slafload.config import LoaderConfig, RetryPolicy
-from slafload.dataset import SlafDataset, open_dataset
+from slafload.data.dataset import SlafDataset, open_dataset
+from slafload.data.mixture import Mixture, Source
 from slafload.errors import (
     ConfigError,
     DatasetError,
@@ -32,7 +33,6 @@ from slafload.errors import (
     StateError,
     VocabularyError,
 )
-from slafload.mixture import Mixture, Source
 from slafload.tokenizers import Geneformer, Raw, ScGPT, Tokenizer, available_tokenizers
 from slafload.tools.convert import convert
 

@@ -93,16 +93,16 @@ class LoaderConfig:
             fetch's coalesced spans (the wanted rows plus any short gaps read through) until
             its turn. ``0`` reads each fetch only when it is needed.
         retry: Retries of a fetch after a transient storage failure.
-        layout: How a batch's token rows are laid out (see :mod:`slafload.layout`):
+        layout: How a batch's token rows are laid out (see :mod:`slafload.pipeline.layout`):
             ``"padded"`` (fixed width, slafdb's), ``"longest"`` (padded to the batch's
             longest cell) or ``"packed"`` (every cell's tokens back to back, ``cu_seqlens``).
         token_dtype: ``"int64"`` or ``"int32"``, the integer type of token id streams.
         tokenize_on: ``"producer"`` (rank and tokenize on the producer thread) or
             ``"device"`` (ship each batch's sparse expression and rank, bin and lay out
-            tokens with torch ops on the loader's device; see :mod:`slafload.device_tokenize`).
+            tokens with torch ops on the loader's device; see :mod:`slafload.pipeline.device_tokenize`).
         memory_budget: Bytes of expression data the reader and chunk stage may hold at once
             (default 512 MiB), counted as rows read x row width x 3 copies
-            (``slafload/budget.py``). Read-ahead starts another fetch only while it fits; a
+            (``slafload/pipeline/budget.py``). Read-ahead starts another fetch only while it fits; a
             fetch costing over half of it is read in groups of consecutive ranges, as is a
             fetch of more than 256 scattered ranges (single cells, small blocks), 256 at most
             a group (``budget.GROUP_RANGES``). The order of cells does not depend on it.
@@ -110,13 +110,13 @@ class LoaderConfig:
             of an epoch-aware chain or of the ``DataLoader`` face) is read as its
             first ``max(first_read_cells, batch_size)`` output cells, then the rest, so the
             first batch does not wait for a whole large fetch; the order of cells is unchanged
-            (``slafload/first_read.py``). ``0`` reads one batch first.
+            (``slafload/pipeline/first_read.py``). ``0`` reads one batch first.
         read_data_files: Read scattered ranges through open Lance file readers where that is
-            exact (``slafload/data_files.py``); ``False`` always uses ``take_scan``. ``None``
+            exact (``slafload/_lance/data_files.py``); ``False`` always uses ``take_scan``. ``None``
             (default): on local storage yes, on an object store only for Lance 2.0 data files
             (``slafload optimize``), where it is the faster path; for 2.1+ files there
             ``take_scan`` makes fewer requests per range and was 1.3-1.9x faster
-            (:func:`~slafload.data_files.direct_by_default`, docs/object-storage.md).
+            (:func:`~slafload._lance.data_files.direct_by_default`, docs/object-storage.md).
         read_threads: Data files those direct reads read at once, on their own threads, in
             ``[1, 256]``. ``None``: 16 on an object store (each range waits on a few
             sequential requests there, so fetches are latency-bound), 4 on local storage
@@ -127,7 +127,7 @@ class LoaderConfig:
             the read-ahead with compute (docs/object-storage.md).
         read_flat: Read local data files in Lance's 2.0 format (``slafload optimize``), whose
             pages are plain arrays, by ``pread`` without Lance's decoder
-            (``slafload/flat_pages.py``; each file's pages checked when it is opened, the
+            (``slafload/_lance/flat_pages.py``; each file's pages checked when it is opened, the
             first file's rows compared with Lance's read of them, later files opened from
             their own footers): block sampling 1.10x on a cached 500k-cell atlas, 1.09-1.42x
             on a 5M-cell one read from disk (docs/sampling.md). ``False`` leaves every range
@@ -136,7 +136,7 @@ class LoaderConfig:
             idle or in use, whatever the dataset's size.
         read_mini_blocks: With ``read_flat`` and numba, also decode the mini-block pages of
             local Lance 2.1+ files (what converters write) in slafload, by a numba kernel
-            (``slafload/miniblock.py``), instead of Lance's decoder: each file's page layouts
+            (``slafload/_lance/miniblock.py``), instead of Lance's decoder: each file's page layouts
             checked when it is opened, the first file's rows compared with Lance's read. On
             by default: on the 5M-cell atlas as written, ``BlockShuffle(16, 256)`` and
             ``(64, 256)`` run ~1.4x faster than through Lance's reader, scattered single

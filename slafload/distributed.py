@@ -3,7 +3,7 @@
 Precedence: explicit arguments, then an initialized ``torch.distributed`` process group, then
 the ``RANK`` / ``WORLD_SIZE`` environment variables that ``torchrun`` sets, then a single rank.
 slafload never calls a collective: every rank derives its share of each epoch from
-``(seed, epoch, rank, world_size)`` alone (see :mod:`slafload.partition`).
+``(seed, epoch, rank, world_size)`` alone (see :mod:`slafload.pipeline.partition`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Compiled versions of the token worker's per-cell loops (optional: numba), numpy otherwise.
 
-The token worker (:class:`~slafload.ranking.RankGenes`) bounds scGPT on a small machine, and
+The token worker (:class:`~slafload.pipeline.ranking.RankGenes`) bounds scGPT on a small machine, and
 three of its steps are loops over a piece's cells that numpy can only run as one call per cell
 (or per block of cells), holding the GIL between calls: copying each cell's tokens into its
-output row (:func:`~slafload.buffers.copy_aligned_runs`), re-padding reused rows
-(:meth:`~slafload.buffers.RowBuffers.rows`) and scGPT's per-cell quantile bins
+output row (:func:`~slafload.pipeline.buffers.copy_aligned_runs`), re-padding reused rows
+(:meth:`~slafload.pipeline.buffers.RowBuffers.rows`) and scGPT's per-cell quantile bins
 (:func:`~slafload.tokenizers.quantile_bins`). With `numba <https://numba.pydata.org>`_
 installed (``pip install slafload[fast]``), :class:`Kernels` runs each as one compiled call per
 piece that releases the GIL for its whole duration; the numpy code stays the reference, and
 the tokens are identical either way (tests compare both on the same data).
 
 Compiling costs 0.1-2.3 s per kernel and argument types the first time a machine uses it (the
-footer walk, :func:`slafload.footer.walk_many`, ~17 s: :func:`warm_up` ~23 s on 2 cores), and
+footer walk, :func:`slafload._lance.footer.walk_many`, ~17 s: :func:`warm_up` ~23 s on 2 cores), and
 a process's first kernel 0.3-0.5 s for numba's start-up once they are in numba's on-disk cache
 (then milliseconds each). A loader's kernels compile on a background thread of their own, and
 each call runs the numpy code until its compiled version is ready, so the first batch never
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from slafload import footer
+from slafload._lance import footer
 
 BACKENDS = ("auto", "numba", "numpy")
 _IMPORT = ("import",)  # the compile thread's first job: importing numba
@@ -210,9 +210,9 @@ def warm_up() -> bool:
 def prepare_reads(kernels: Kernels) -> None:
     """Have ``kernels`` compile what the flat reads run (in the background, or now with
     ``backend="numba"``): the read threads use each kernel once it is ready. That is
-    :func:`slafload.flat_pages.read_ranges`' ``pread_runs`` and ``decode_chunks``, and for
-    opening a file from its footer (:meth:`slafload.flat_pages.FileFormat.open`),
-    ``walk_many`` (:func:`slafload.footer.walk_many`).
+    :func:`slafload._lance.flat_pages.read_ranges`' ``pread_runs`` and ``decode_chunks``, and for
+    opening a file from its footer (:meth:`slafload._lance.flat_pages.FileFormat.open`),
+    ``walk_many`` (:func:`slafload._lance.footer.walk_many`).
     """
     if not _HAS_PREAD:  # no libc pread here: the reads use os.preadv
         return
@@ -223,7 +223,7 @@ def prepare_reads(kernels: Kernels) -> None:
     runs = np.zeros((4, 0), np.int64)
     kernels.prepare("read_decode", runs, b, runs, b, np.zeros((0, 10), np.int64), z, z, z,
                     np.zeros(0, np.uint64), np.zeros(3, np.int64))  # fmt: skip
-    # Opening a file from its footer (slafload.flat_pages.FileFormat.open).
+    # Opening a file from its footer (slafload._lance.flat_pages.FileFormat.open).
     kernels.prepare("walk_many", np.zeros((0, 1), np.uint8), np.zeros((0, 1), np.int64), b,
                     np.zeros(0, np.int32), 0)  # fmt: skip
 
@@ -274,7 +274,7 @@ def _compile(key: tuple) -> Any:
 
 def _copy_runs_1(out: np.ndarray, src: np.ndarray, dst: np.ndarray, start: np.ndarray,
                  count: np.ndarray) -> None:  # fmt: skip
-    """:func:`~slafload.buffers.copy_aligned_runs` for one ``(out, src)`` pair."""
+    """:func:`~slafload.pipeline.buffers.copy_aligned_runs` for one ``(out, src)`` pair."""
     for r in range(len(dst)):
         o, i = out[dst[r] : dst[r] + count[r]], src[start[r] : start[r] + count[r]]
         for k in range(min(len(o), len(i))):  # equal; min keeps a bad run inside both
@@ -283,7 +283,7 @@ def _copy_runs_1(out: np.ndarray, src: np.ndarray, dst: np.ndarray, start: np.nd
 
 def _copy_runs_2(out: np.ndarray, src: np.ndarray, out2: np.ndarray, src2: np.ndarray,
                  dst: np.ndarray, start: np.ndarray, count: np.ndarray) -> None:  # fmt: skip
-    """:func:`~slafload.buffers.copy_aligned_runs` for two aligned ``(out, src)`` pairs."""
+    """:func:`~slafload.pipeline.buffers.copy_aligned_runs` for two aligned ``(out, src)`` pairs."""
     for r in range(len(dst)):
         o, i = out[dst[r] : dst[r] + count[r]], src[start[r] : start[r] + count[r]]
         for k in range(min(len(o), len(i))):
@@ -355,7 +355,7 @@ instead of compiled in 0.1-0.4 s per process; a ctypes function could not be cac
 def _pread_runs(fds: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, where: np.ndarray,
                 out: np.ndarray, failed: np.ndarray) -> None:  # fmt: skip
     """``sizes[i]`` bytes of file ``fds[i]`` from ``offsets[i]`` into ``out[where[i]:]``, for
-    every ``i`` (:func:`~slafload.flat_pages.read_ranges`); ``failed[0]`` is the first run
+    every ``i`` (:func:`~slafload._lance.flat_pages.read_ranges`); ``failed[0]`` is the first run
     not read whole (an error, or the end of the file), else -1.
     """
     base = out.ctypes.data
@@ -373,7 +373,7 @@ def _pread_runs(fds: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, where: 
 def _decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                    chunk_rows: np.ndarray, order: np.ndarray, tmp: np.ndarray, out: np.ndarray,
                    failed: np.ndarray) -> None:  # fmt: skip
-    """:func:`slafload.miniblock.decode_chunks` (``scratch`` and ``out`` ``uint8`` whose
+    """:func:`slafload._lance.miniblock.decode_chunks` (``scratch`` and ``out`` ``uint8`` whose
     lengths are multiples of 8, every chunk and value 8-byte aligned in them; ``tmp``
     ``uint64[1024]``); ``failed[0]`` is the first job with a chunk that is not what its
     encoding says, else -1. Each value is written straight to ``out`` (bit-packed chunks,

@@ -1,8 +1,8 @@
 """Stage 9: the loader, the front end a training loop iterates.
 
 ``Loader`` opens the dataset, resolves the tokenizer, sampler, rank and device, and runs the
-rank's :class:`~slafload.epochs.Run` (which builds the chain of stages of each epoch,
-:mod:`slafload.chain`) on one prefetch thread, handing out dicts of torch tensors. ``n_epochs``
+rank's :class:`~slafload.pipeline.epochs.Run` (which builds the chain of stages of each epoch,
+:mod:`slafload.pipeline.chain`) on one prefetch thread, handing out dicts of torch tensors. ``n_epochs``
 counts the epochs of the whole run (``None``: endless): each ``iter(loader)`` continues where
 the consumer stopped and ends with epoch ``n_epochs - 1``, so a loader resumed from a
 checkpoint delivers exactly what the uninterrupted run had left, and iterating a loader whose
@@ -20,15 +20,15 @@ from typing import Any, cast
 
 import torch
 
-from slafload import epochs
-from slafload.chain import ChainSpec
 from slafload.config import LoaderConfig
-from slafload.dataset import SlafDataset
+from slafload.data.dataset import SlafDataset
+from slafload.data.mixture import Mixture, open_source
 from slafload.distributed import resolve_rank
-from slafload.epochs import Delivery, Position, Run
 from slafload.errors import LayoutError, MixtureError, StateError
-from slafload.mixture import Mixture, open_source
-from slafload.prefetcher import Prefetcher
+from slafload.pipeline import epochs
+from slafload.pipeline.chain import ChainSpec
+from slafload.pipeline.epochs import Delivery, Position, Run
+from slafload.pipeline.prefetcher import Prefetcher
 from slafload.presets import PRESET_NAMES, Preset, make_preset
 from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
 from slafload.tokenizers import make_tokenizer
@@ -44,7 +44,7 @@ class Loader:
 
     Args:
         dataset: An opened :class:`SlafDataset`, or a path/URI to open; or several, as a
-            list or a :class:`~slafload.mixture.Mixture`, streamed as one mixed stream (see
+            list or a :class:`~slafload.data.mixture.Mixture`, streamed as one mixed stream (see
             docs/mixtures.md): batches then carry ``source`` codes (names in
             :attr:`source_names`) and ``cell_integer_id`` within each source.
         weights: With a list of datasets: one positive weight per dataset (default: sizes).
@@ -69,9 +69,9 @@ class Loader:
     Each batch holds the tokenizer's arrays (``input_ids``, ``attention_mask``, ...) and
     ``cell_integer_id``; ``layout="longest"`` pads them only to the batch's longest cell and
     ``layout="packed"`` puts every cell's tokens back to back with ``cu_seqlens`` and
-    ``position_ids`` (see :mod:`slafload.layout`). ``tokenize_on="device"`` ships each
+    ``position_ids`` (see :mod:`slafload.pipeline.layout`). ``tokenize_on="device"`` ships each
     batch's sparse expression instead and tokenizes it on ``device`` in ``next()``, with
-    identical results (see :mod:`slafload.device_tokenize`). Use as an iterable, and
+    identical results (see :mod:`slafload.pipeline.device_tokenize`). Use as an iterable, and
     ``close()`` it or use ``with``.
     """
 
@@ -208,7 +208,7 @@ class Loader:
 
         Prefetched batches the consumer has not taken are not counted: after
         :meth:`load_state_dict` they are produced again, so nothing is lost or repeated. The
-        schema is :func:`slafload.epochs.make_state`'s.
+        schema is :func:`slafload.pipeline.epochs.make_state`'s.
         """
         return epochs.make_state(self._run, self._position)
 

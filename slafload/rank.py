@@ -1,4 +1,4 @@
-"""Deprecated: gene ranking is :mod:`slafload.ranking`; ``RankedChunk`` is in :mod:`slafload.types`."""
+"""Deprecated: gene ranking is :mod:`slafload.pipeline.ranking`; ``RankedChunk`` is in :mod:`slafload.types`."""
 
 from slafload._deprecated import moved
 
@@ -6,8 +6,8 @@ __getattr__ = moved(
     "slafload.rank",
     {
         "RankedChunk": "slafload.types",
-        "PendingRank": "slafload.ranking",
-        "rank": "slafload.ranking",
-        "start_rank": "slafload.ranking",
+        "PendingRank": "slafload.pipeline.ranking",
+        "rank": "slafload.pipeline.ranking",
+        "start_rank": "slafload.pipeline.ranking",
     },
 )

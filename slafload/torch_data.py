@@ -31,13 +31,13 @@ from typing import Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from slafload import epochs
-from slafload.chain import ChainSpec
 from slafload.config import LoaderConfig
-from slafload.dataset import SlafDataset, open_dataset
-from slafload.epochs import Delivery, Position, Run
+from slafload.data.dataset import SlafDataset, open_dataset
+from slafload.data.mixture import Mixture
 from slafload.errors import StateError
-from slafload.mixture import Mixture
+from slafload.pipeline import epochs
+from slafload.pipeline.chain import ChainSpec
+from slafload.pipeline.epochs import Delivery, Position, Run
 from slafload.types import Batch, ChunkTransform, Sampler, Tokenizer
 
 
@@ -138,7 +138,7 @@ class SlafIterableDataset(IterableDataset[Batch]):
     def state_dict(self) -> dict[str, Any]:
         """This copy's position: the epoch under way and the cells it has yielded in it.
 
-        The schema is :func:`slafload.epochs.make_state`'s, with this worker's id and count.
+        The schema is :func:`slafload.pipeline.epochs.make_state`'s, with this worker's id and count.
         """
         worker, n_workers = _worker()
         epoch, cells = self._resume or self._progress

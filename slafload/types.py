@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, overload, runtime_checkable
 
 import numpy as np
 
-from slafload.ranges import describe, expand
+from slafload.pipeline.ranges import describe, expand
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +33,7 @@ Batch = dict[str, "torch.Tensor"]
 
 class Offsets(Protocol):
     """CSR offsets of cells, indexed like ``int64[n_cells + 1]`` (an ``np.ndarray``, a
-    dataset's :class:`~slafload.offsets.CellOffsets`, a mixture's global offsets): an int
+    dataset's :class:`~slafload.data.offsets.CellOffsets`, a mixture's global offsets): an int
     gives an int, a slice or an array of positions gives ``int64`` (``budget.groups`` slices
     them to cut a range at cell boundaries).
     """
@@ -135,7 +135,7 @@ class Chunk:
             cell whatever the storage order (ranking relies on it; a transform that reorders
             genes must restore it, as :class:`~slafload.transforms.vocab.GeneRemap` does).
         values: Expression values of the rows (the table's numeric dtype; duplicate entries
-            of a gene in a cell are summed, see :func:`slafload.chunk.sort_genes_within_cells`).
+            of a gene in a cell are summed, see :func:`slafload.pipeline.chunk.sort_genes_within_cells`).
         order: ``int64[n]`` output order: output row ``j`` is chunk cell ``order[j]``.
     """
 

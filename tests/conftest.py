@@ -241,9 +241,9 @@ def append_cell(path, genes, values):
 @pytest.fixture
 def lance_opens(monkeypatch) -> list[str]:
     """The paths of the data files opened through Lance's metadata by ``FlatFile._open``
-    (the rest :class:`~slafload.flat_pages.FlatFiles` opens from their footers), in order.
+    (the rest :class:`~slafload._lance.flat_pages.FlatFiles` opens from their footers), in order.
     """
-    from slafload.flat_pages import FlatFile
+    from slafload._lance.flat_pages import FlatFile
 
     opened: list[str] = []
     real_open = FlatFile._open.__func__  # type: ignore[attr-defined]
@@ -259,7 +259,7 @@ def lance_opens(monkeypatch) -> list[str]:
 @pytest.fixture
 def flat_opens(monkeypatch) -> list:
     """What every ``FlatFiles.open`` returned (a ``FlatFile`` or ``None``), in order."""
-    from slafload.flat_pages import FlatFiles
+    from slafload._lance.flat_pages import FlatFiles
 
     opened: list = []
     real_open = FlatFiles.open

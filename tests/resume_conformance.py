@@ -6,7 +6,7 @@ round-trips ``state_dict()`` through JSON into a fresh loader and lets it run to
 batches before and after must equal the uninterrupted run batch for batch, tensor for tensor,
 *and in total* (a resumed run may not run extra epochs), and iterating the finished loader
 again yields nothing (a :class:`~slafload.Mixture` of datasets is one more ``make_loader``:
-see ``tests/test_mixture.py``). ``assert_torch_dataset_resumes_exactly`` checks the same of the
+see ``tests/data/test_mixture.py``). ``assert_torch_dataset_resumes_exactly`` checks the same of the
 ``IterableDataset`` face, driven the way a training loop drives it.
 """
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import random_counts, write_dense
 
-import slafload.reader
+import slafload.pipeline.reader
 from slafload import InconsistentDataError, Loader, LoaderConfig, open_dataset
-from slafload.chunk import Assemble
-from slafload.partition import Part
-from slafload.ranges import RangeSet
-from slafload.read import Group
-from slafload.reader import Reader
+from slafload.pipeline.chunk import Assemble
+from slafload.pipeline.partition import Part
+from slafload.pipeline.ranges import RangeSet
+from slafload.pipeline.read import Group
+from slafload.pipeline.reader import Reader
 from slafload.samplers import BlockShuffle, ChunkShuffle, Fetch
 
 
@@ -80,13 +80,13 @@ def test_a_contiguous_read_leaves_the_cell_ids_out_only_when_allowed(dataset):
 def recorded_reads(monkeypatch) -> list[tuple[np.ndarray, bool]]:
     """Every ``Reader.read`` call from now on, as ``(cell ranges, cell_ids)``."""
     calls: list[tuple[np.ndarray, bool]] = []
-    read = slafload.reader.Reader.read
+    read = slafload.pipeline.reader.Reader.read
 
     def recording(self, fetch, *, cell_ids=True):
         calls.append((fetch.ranges.copy(), cell_ids))
         yield from read(self, fetch, cell_ids=cell_ids)
 
-    monkeypatch.setattr(slafload.reader.Reader, "read", recording)
+    monkeypatch.setattr(slafload.pipeline.reader.Reader, "read", recording)
     return calls
 
 

@@ -15,8 +15,8 @@ import pytest
 
 import slafload
 import slafload.kernels
-from slafload.buffers import RowBuffers, copy_aligned_runs
 from slafload.kernels import Kernels, numba_available
+from slafload.pipeline.buffers import RowBuffers, copy_aligned_runs
 from slafload.tokenizers import quantile_bins
 from slafload.types import RankedChunk
 

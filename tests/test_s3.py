@@ -13,8 +13,8 @@ import pytest
 from conftest import random_counts, write_dense
 
 from slafload import ConfigError, Loader, open_dataset
-from slafload.data_files import REMOTE_THREADS
-from slafload.reader import COLUMNS, Reader, ReadOptions
+from slafload._lance.data_files import REMOTE_THREADS
+from slafload.pipeline.reader import COLUMNS, Reader, ReadOptions
 from slafload.samplers import BlockShuffle
 
 boto3 = pytest.importorskip("boto3")

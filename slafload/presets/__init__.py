@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from slafload.dataset import SlafDataset
+from slafload.data.dataset import SlafDataset
 from slafload.tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)

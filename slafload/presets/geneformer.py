@@ -39,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from slafload.dataset import SlafDataset
+from slafload.data.dataset import SlafDataset
+from slafload.data.value_kind import warn_unless_counts
 from slafload.errors import SchemaError, VocabularyError
 from slafload.presets import (
     DEFAULT_SAMPLE_CELLS,
@@ -51,7 +52,6 @@ from slafload.presets import (
 )
 from slafload.tokenizers.builtin import _fill_rows
 from slafload.types import Chunk, RankedChunk
-from slafload.value_kind import warn_unless_counts
 
 TARGET_SUM = 10_000
 PathOrDict = str | os.PathLike[str] | dict

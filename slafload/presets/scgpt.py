@@ -22,7 +22,7 @@ cell_integer_id, gene_integer_id)``: stream :data:`TIES` for step 3, :data:`SUBS
 step 4 (a cell's sample is its ``max_len - 1`` genes with the smallest draws, in draw order;
 draws are compared on their top 40 bits).
 The reference draws from numpy's global RNG instead, so identical *inputs* to the reference
-are the same draws: ``tests/test_presets.py`` feeds them to it and gets identical tokens.
+are the same draws: ``tests/presets/test_presets.py`` feeds them to it and gets identical tokens.
 
 Outputs: ``input_ids`` (scGPT's ``gene_ids``), ``values`` (``float32`` bins),
 ``attention_mask`` (True on real tokens; scGPT's ``src_key_padding_mask`` is its negation) and
@@ -38,7 +38,8 @@ from typing import Any
 
 import numpy as np
 
-from slafload.dataset import SlafDataset
+from slafload.data.dataset import SlafDataset
+from slafload.data.value_kind import warn_unless_counts
 from slafload.errors import VocabularyError
 from slafload.presets import (
     DEFAULT_SAMPLE_CELLS,
@@ -52,7 +53,6 @@ from slafload.presets import (
 from slafload.tokenizers.builtin import _lerp
 from slafload.transforms.vocab import GeneRemap
 from slafload.types import RankedChunk
-from slafload.value_kind import warn_unless_counts
 
 TIES, SUBSAMPLE = 0, 1
 _DENSE_BLOCK = 1 << 22  # cells x genes per block of the include_zero_gene layout

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from slafload._validate import check_int
-from slafload.ranges import block_ranges
+from slafload.pipeline.ranges import block_ranges
 from slafload.samplers.base import Fetch, MinibatchFetches, Plan, derive_seed
 from slafload.samplers.feistel import FeistelPermutation
 

@@ -1,10 +1,10 @@
 """Mixing the plans of several sources into one epoch plan, by weight.
 
-A mixture (:mod:`slafload.mixture`) reads several SLAF datasets as one: source ``k``'s cells
+A mixture (:mod:`slafload.data.mixture`) reads several SLAF datasets as one: source ``k``'s cells
 are the *global* cell ids ``[offsets[k], offsets[k + 1])``. Each source keeps its own sampler;
 :class:`MixtureSampler` interleaves the fetches of their plans into one :class:`Plan` whose
 fetches each stay inside one source (reads stay contiguous). Everything is arithmetic on
-``(seed, epoch)``, so partitioning among ranks (:mod:`slafload.partition`) and resume work on
+``(seed, epoch)``, so partitioning among ranks (:mod:`slafload.pipeline.partition`) and resume work on
 the mixed plan exactly as on a single source's.
 
 Epoch semantics (``epoch_cells``):
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from slafload.ranges import slice_ranges
+from slafload.pipeline.ranges import slice_ranges
 from slafload.samplers.base import Fetch, Plan, derive_seed
 from slafload.types import Sampler
 

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from slafload.ranges import expand_ranges
+from slafload.pipeline.ranges import expand_ranges
 from slafload.samplers.base import Fetch, Plan, Sampler, array_digest, bind_batch_size
 
 if TYPE_CHECKING:
     import polars as pl
 
-    from slafload.dataset import SlafDataset
+    from slafload.data.dataset import SlafDataset
 
 __all__ = ["Subset"]
 

@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from slafload._validate import check_int
-from slafload.ranges import merge_ranges
+from slafload.pipeline.ranges import merge_ranges
 from slafload.samplers.base import Fetch, MinibatchFetches, Plan, array_digest, derive_seed
 
 if TYPE_CHECKING:
-    from slafload.dataset import SlafDataset
+    from slafload.data.dataset import SlafDataset
 
 __all__ = ["ClassBalanced", "Weighted"]
 

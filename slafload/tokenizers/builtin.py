@@ -31,8 +31,8 @@ import numpy as np
 import numpy.typing as npt
 
 from slafload._validate import check_int
-from slafload.buffers import RowBuffers, copy_aligned_runs, fresh, scratch
 from slafload.kernels import NUMPY, Kernels
+from slafload.pipeline.buffers import RowBuffers, copy_aligned_runs, fresh, scratch
 from slafload.types import RankedChunk, Tokenizer
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
@@ -78,7 +78,7 @@ def copy_cell_tokens(
     """Each cell's first ``limit`` entries of every ``(out, src)`` pair (1-D, ``src``
     aligned with ``ranked.genes``) into ``out`` from ``dst[row]``, ``row`` its output row.
 
-    One slice copy per cell and pair (:func:`~slafload.buffers.copy_aligned_runs`), in output
+    One slice copy per cell and pair (:func:`~slafload.pipeline.buffers.copy_aligned_runs`), in output
     order: the sources are read in shuffled order, the large destinations front to back.
     """
     cells = ranked.order
@@ -126,7 +126,7 @@ class Geneformer:
     def __call__(
         self, ranked: RankedChunk, *, buffers: RowBuffers | None = None, kernels: Kernels = NUMPY
     ) -> dict[str, np.ndarray]:
-        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`),
+        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.pipeline.buffers`),
         ``kernels`` may copy the tokens (:mod:`slafload.kernels`).
         """
         width = self.max_genes
@@ -176,7 +176,7 @@ class ScGPT:
     def __call__(
         self, ranked: RankedChunk, *, buffers: RowBuffers | None = None, kernels: Kernels = NUMPY
     ) -> dict[str, np.ndarray]:
-        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`),
+        """Token rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.pipeline.buffers`),
         ``kernels`` may bin and copy the tokens (:mod:`slafload.kernels`).
         """
         width, limit = self.max_genes + 2, self.max_genes
@@ -213,7 +213,7 @@ class Raw:
     def __call__(
         self, ranked: RankedChunk, *, buffers: RowBuffers | None = None, kernels: Kernels = NUMPY
     ) -> dict[str, np.ndarray]:
-        """Padded rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.buffers`),
+        """Padded rows of ``ranked``; ``buffers`` lends the arrays (see :mod:`slafload.pipeline.buffers`),
         ``kernels`` may copy them (:mod:`slafload.kernels`).
         """
         width = self.max_genes

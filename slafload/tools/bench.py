@@ -54,13 +54,13 @@ from typing import Any
 import numpy as np
 
 import slafload
-from slafload._compat import data_file_path
-from slafload.chain import ChainSpec, build_chain
-from slafload.epochs import Run
+from slafload._lance._compat import data_file_path
 from slafload.kernels import Kernels
+from slafload.pipeline.chain import ChainSpec, build_chain
+from slafload.pipeline.epochs import Run
+from slafload.pipeline.reader import COLUMNS
+from slafload.pipeline.stage import Stage
 from slafload.presets import make_preset
-from slafload.reader import COLUMNS
-from slafload.stage import Stage
 from slafload.tokenizers import make_tokenizer
 from slafload.tools.bench_layout import PLACEMENTS, layout_report, layout_table
 
@@ -417,7 +417,7 @@ class _Timed(Stage[Any]):
 def profile_stages(ds, tokenizer_name: str, args, n_batches: int = 400) -> dict[str, float]:
     """Microseconds per cell that the producer thread spends in each stage of the real chain.
 
-    Runs :func:`slafload.chain.build_chain`, as the loader does, on this thread with no read
+    Runs :func:`slafload.pipeline.chain.build_chain`, as the loader does, on this thread with no read
     ahead, so each stage's time is its own: time inside a stage's ``__next__`` minus the time
     inside its source's. Work that Lance, Polars and the rank stage's worker (ranking and
     tokenizing, one piece ahead) do on their own threads counts only where the producer waits

@@ -27,13 +27,13 @@ import numpy as np
 import torch
 
 import slafload
-from slafload.batcher import Batcher
-from slafload.chunk import assemble, shuffle
 from slafload.config import LoaderConfig
 from slafload.kernels import Kernels
-from slafload.layout import make_token_stage
-from slafload.ranking import rank
-from slafload.reader import Reader
+from slafload.pipeline.batcher import Batcher
+from slafload.pipeline.chunk import assemble, shuffle
+from slafload.pipeline.layout import make_token_stage
+from slafload.pipeline.ranking import rank
+from slafload.pipeline.reader import Reader
 from slafload.tokenizers import make_tokenizer
 from slafload.types import RankedChunk
 

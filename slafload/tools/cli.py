@@ -210,8 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     from slafload import open_dataset
+    from slafload.data.value_kind import COUNTS, value_kind
     from slafload.tools.convert import convert
-    from slafload.value_kind import COUNTS, value_kind
 
     if len(args.paths) < 2:
         raise ValueError("give at least one input .h5ad and then the output path")
@@ -240,8 +240,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _info(args: argparse.Namespace) -> int:
     from slafload import open_dataset
+    from slafload.data.value_kind import value_kind, value_range
     from slafload.tools.optimize import file_format
-    from slafload.value_kind import value_kind, value_range
 
     if args.path.endswith((".h5ad", ".h5")) and Path(args.path).is_file():
         raise ValueError(
@@ -302,7 +302,7 @@ def _refuse_existing(output: str, overwrite: bool) -> None:
 
 def _range(ds: Any) -> str:
     """The values' range as config.json records it (no scan of the data)."""
-    from slafload.value_kind import value_range
+    from slafload.data.value_kind import value_range
 
     recorded = value_range(ds)
     return "not recorded" if recorded is None else f"[{recorded[0]:g}, {recorded[1]:g}]"

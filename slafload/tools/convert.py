@@ -20,7 +20,7 @@ Value storage: integer-valued, non-negative data (integer dtypes, or floats hold
 numbers as many count matrices do) is stored as ``uint16`` when the maximum fits, else
 ``uint32``; anything else as ``float32``. This is decided by one streaming pass over the stored
 values before writing, which also records in ``config.json`` whether they are counts
-(``"value_kind"``: ``"counts"`` or ``"non-integer"``, see :mod:`slafload.value_kind`).
+(``"value_kind"``: ``"counts"`` or ``"non-integer"``, see :mod:`slafload.data.value_kind`).
 Negative or NaN values are rejected: SLAF holds expression.
 
 Pre-shuffle (``shuffle_seed``): cells are written in a seeded random order of blocks of
@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from slafload.data.value_kind import CONFIG_KEY, COUNTS, NON_INTEGER
 from slafload.tools.progress import progress_bar
 from slafload.tools.writer import CsrBlock, write_slaf
-from slafload.value_kind import CONFIG_KEY, COUNTS, NON_INTEGER
 
 __all__ = ["convert"]
 
@@ -342,7 +342,7 @@ def _stored_values(matrix: Any, chunk: int) -> Iterator[np.ndarray]:
 
 
 def _value_type(sources: list[_Source]) -> tuple[pa.DataType, str]:
-    """The Arrow type the values are stored as, and their kind (:mod:`slafload.value_kind`)."""
+    """The Arrow type the values are stored as, and their kind (:mod:`slafload.data.value_kind`)."""
     integral, hi = True, 0.0
     for source in sources:
         chunk = max(1, _CELL_BUDGET // max(len(source.var), 1))

@@ -44,9 +44,9 @@ from typing import Any, Final, Literal, get_args
 import lance
 import pyarrow as pa
 
-from slafload._compat import data_file_path
-from slafload.data_files import file_versions
-from slafload.dataset import open_dataset
+from slafload._lance._compat import data_file_path
+from slafload._lance.data_files import file_versions
+from slafload.data.dataset import open_dataset
 from slafload.tools.progress import progress_bar
 from slafload.tools.writer import write_batches
 

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from slafload.data.value_kind import CONFIG_KEY, COUNTS, NON_INTEGER
 from slafload.tools.progress import progress_bar
 from slafload.tools.writer import CsrBlock, write_slaf
-from slafload.value_kind import CONFIG_KEY, COUNTS, NON_INTEGER
 
 __all__ = ["write_atlas"]
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from slafload.dataset import SlafDataset
+from slafload.data.dataset import SlafDataset
 from slafload.samplers import BlockShuffle
 from slafload.tools.diversity import entropy
 from slafload.tools.progress import progress_bar

@@ -33,9 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from slafload.chunk import Chunk, sort_genes_within_cells
-from slafload.dataset import SlafDataset
+from slafload.data.dataset import SlafDataset
 from slafload.errors import MediansError
+from slafload.pipeline.chunk import Chunk, sort_genes_within_cells
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def _sum_duplicates(
     cell: np.ndarray, gene: np.ndarray, value: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rows (``cell`` non-decreasing) with repeated (cell, gene) entries summed, as a chunk
-    sums them (:func:`~slafload.chunk.sort_genes_within_cells`), so medians match loading.
+    sums them (:func:`~slafload.pipeline.chunk.sort_genes_within_cells`), so medians match loading.
     """
     if not len(cell):
         return cell, gene, value

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slafload.dataset import SlafDataset
+from slafload.data.dataset import SlafDataset
 from slafload.errors import SchemaError, VocabularyError
 from slafload.tokenizers import CLS, GENE_OFFSET, MASK, PAD, SEP
 from slafload.types import Chunk

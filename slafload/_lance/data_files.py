@@ -1,0 +1,729 @@
+"""Read expression row ranges straight from the table's data files, with their readers kept open.
+
+``LanceDataset.take_scan`` (and ``take``) turns every requested range of dataset row *offsets*
+into row *addresses* by listing the pinned version's fragments and walking them from the first
+(``row_offsets_to_row_addresses`` in Lance's ``dataset/take.rs``), then opens the fragment that
+holds the range. Both costs are paid per range, and the first grows with the number of data
+files: on a 5M-cell atlas (3,816 files) one 16-cell range costs several times what the same
+read costs on a file whose reader is already open (numbers in docs/sampling.md). :class:`DataFiles` does that arithmetic once per pinned version
+(one ``int64`` per data file) and keeps a bounded LRU cache of ``lance.file.LanceFileReader``
+objects, so a range costs one ``read_range`` on an open file. Local files in Lance's 2.0
+format, whose pages are plain arrays, are opened as :class:`~slafload._lance.flat_pages.FlatFile`
+instead (``flat=True``, the default): their ranges are read by ``pread`` without Lance's
+decoder, a window's worth by one kernel call, into reused buffers.
+
+On an object store a range read is a few sequential requests (each column's page metadata,
+then its data: ~5 for the expression table's three columns), each paying the store's latency,
+and a pylance file reader serves one call at a time. So with ``threads > 1`` (the default:
+:data:`REMOTE_THREADS` for ``s3://``-style URIs, :data:`LOCAL_THREADS` for local files, where
+each range still pays a fixed ~0.2 ms of Lance's scheduling, whatever its size) the pieces of
+a fetch are read by one task per thread, each data file's pieces in one task; with one, by one
+background thread. Either way :meth:`DataFiles.read` returns as soon as they are submitted:
+each range's batches are waited for when they are iterated, so the Read stage's read-ahead
+overlaps the next fetch's requests with this one's compute. Readers on an object store share
+one ``LanceFileSession`` (one client and connection pool) instead of a client each.
+
+Only tables where this is exact take this path (:mod:`slafload._lance.fragments`): every fragment
+has exactly one data file holding every column, no column overlays and no extra base path,
+every data file lists the same field ids, and each column read is found by its field id, not
+its name (a renamed column keeps the name it was written under in the files). Deleted rows are
+skipped: a piece of live rows is read as the physical rows that hold them, deleted ones
+dropped. Anything else gets a reason from :meth:`DataFiles.examine` and the reader keeps using
+``take_scan`` (with a :class:`~slafload.errors.ReaderFallbackWarning`); a data file that stores
+other names than the table's first (columns renamed between writes) is read through Lance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import resource
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import lance
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from lance.file import LanceFileReader
+
+from slafload._lance._compat import file_session, take_scan
+from slafload._lance.flat_pages import V2_0, V2_1, FlatFile, FlatFiles, FlatRange, read_ranges
+from slafload._lance.fragments import Deletions, Matched, file_versions, stored_names, survey
+from slafload.errors import ReaderFallbackWarning
+from slafload.kernels import NUMPY, Kernels
+from slafload.pipeline.buffers import BytePool
+from slafload.pipeline.ranges import expand
+
+logger = logging.getLogger(__name__)
+
+DECLINED = object()  # the reader of a data file read through Lance's take_scan instead
+MAX_OPEN_FILES = 8192  # upper bound of the reader cache; each open reader holds a descriptor
+FD_SHARE = 4  # the reader cache uses at most a quarter of the process's descriptors
+STREAMS_AT_ONCE = 128  # read_range streams alive at once (each holds its pages until consumed)
+WINDOW_ROWS = 1 << 21  # ...and rows a read thread holds at once: a window is read whole first
+REMOTE_THREADS = 16  # default threads for object stores: requests wait on latency, not CPU
+LOCAL_THREADS = 4  # default for local files: each range's fixed scheduling cost overlaps
+
+
+def flat_threads() -> int:
+    """Default read threads for a local table read flat: one per core, 2 to :data:`LOCAL_THREADS`.
+
+    Flat reads spend their time in GIL-free kernels, not in Lance's scheduling, and each
+    thread's Python steps (a file's open, a window's plan) wait for the GIL. On 2 cores 2
+    threads beat 4 by 11-16% at ``BlockShuffle(16 and 64, 256)`` on the 5M atlas as written
+    (4 interleaved rounds, first 60k cells; docs/sampling.md). More cores keep up to 4, the
+    Lance path's default (not measured there).
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))  # the cores this process may run on (cpusets)
+    except AttributeError:  # not on every platform
+        cores = os.cpu_count() or 2
+    return max(2, min(LOCAL_THREADS, cores))
+
+
+def is_remote(uri: str) -> bool:
+    """Whether ``uri`` names an object store (``s3://``, ``gs://``...) rather than a local path."""
+    return "://" in uri and not uri.startswith("file://")
+
+
+def direct_by_default(expression: lance.LanceDataset) -> bool:
+    """Whether scattered ranges of ``expression`` are read through kept-open file readers
+    when ``LoaderConfig.read_data_files`` is left to decide: on local storage, and on an
+    object store when every data file is in Lance's 2.0 format.
+
+    A pylance file reader keeps no cache of page metadata, so on an object store each range
+    of a 2.1+ file first requests its pages' chunk metadata again; ``take_scan`` goes
+    through the dataset's session, which caches it. Through a 20 ms-per-request proxy on
+    the 500k-cell atlas (docs/object-storage.md): 2.2 files, ``BlockShuffle(64, 256)``
+    5,622 (direct) vs 7,546 (``take_scan``) cells/s and ``(16, 256)`` 716 vs 1,381; 2.0
+    files (``slafload optimize``), whose range reads need no such requests, 8,549 vs 6,205
+    and 1,314 vs 1,314. Locally the direct path is several times faster per range.
+    """
+    if not is_remote(expression.uri):
+        return True
+    versions = file_versions(expression)
+    return bool(versions) and max(versions) <= (2, 0)
+
+
+@dataclass(eq=False)
+class _Open:
+    """A cached file reader (``None`` until its first user opens it: a :class:`FlatFile` where
+    the file's pages are flat, else Lance's) and the lock that lets one thread at a time use
+    it (pylance file readers refuse concurrent calls).
+    """
+
+    reader: LanceFileReader | FlatFile | Any = None  # Any: DECLINED
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    provisional: bool = False  # Lance's reader until the mini-block decoder is ready
+
+
+def default_max_open(n_files: int | None = None) -> int:
+    """Readers kept open: a quarter of the soft descriptor limit, within [16, MAX_OPEN_FILES].
+
+    With ``n_files``, the soft limit is first raised (toward the hard limit, logged) until a
+    quarter of it holds ``min(n_files, MAX_OPEN_FILES)`` readers. Linux's usual soft limit of
+    1,024 keeps only 256 open, so on a 5M-cell atlas (3,816 data files) most blocks would
+    reopen their file (``(16, 256)`` ran 14% slower so, docs/sampling.md). Where the hard
+    limit is too low for that, a warning says how to raise it.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_FILES
+    wanted = FD_SHARE * min(n_files or 0, MAX_OPEN_FILES)
+    if wanted > soft:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if target > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                logger.info("raised the soft open-files limit from %d to %d for the readers "
+                            "of %d data files", soft, target, n_files)  # fmt: skip
+                soft = target
+            except (ValueError, OSError) as exc:
+                logger.debug("could not raise the open-files limit: %r", exc)
+        if soft < wanted:
+            logger.warning(
+                "the table has %d data files but the open-files limit (%d, hard %s) keeps "
+                "only %d readers open, so blocks in the others reopen their file on every "
+                "read; raise it (ulimit -n %d) or merge files (slafload optimize "
+                "--rows-per-file)", n_files, soft, hard, soft // FD_SHARE, wanted,
+            )  # fmt: skip
+    return max(16, min(MAX_OPEN_FILES, soft // FD_SHARE))
+
+
+class DataFiles:
+    """The data files of a pinned expression table, by dataset row offset.
+
+    ``starts[i]`` is the dataset row offset of data file ``i``'s first row (``starts[-1]`` the
+    row count). :meth:`read` is called from one thread (the producer) and hands the reads to
+    worker threads, each file's reader used by one of them at a time.
+
+    Args:
+        threads: Data files read at once by :meth:`read`; ``None``: :data:`REMOTE_THREADS` on
+            an object store, :func:`flat_threads` for local paths read flat,
+            :data:`LOCAL_THREADS` for others.
+        flat: Read local files without Lance's decoder where exact (Lance 2.0 files, and
+            2.1+ ones with ``mini``: :mod:`slafload._lance.flat_pages`); ``False`` reads every file
+            through Lance (:meth:`of` passes ``False`` for a table with no such file, so
+            none is tried).
+        kernels: Where flat reads find the ``pread_runs`` kernel (compiled already: the read
+            threads never start a compile).
+        pool: The buffers flat reads read into (shared by a mixture's sources, so what is
+            kept stays within one pool's bound); ``None``: a pool of its own.
+        versions: Each data file's Lance format ``(major, minor)``, where known (:meth:`of`
+            passes them): a 2.1+ file is then not tried flat until the mini-block decoder
+            is loaded.
+        mini: Flat reads decode 2.1+ files' mini-block pages too (:mod:`slafload._lance.miniblock`),
+            by ``kernels``' ``decode_chunks`` once it is loaded (Lance's reader until then).
+    """
+
+    def __init__(
+        self,
+        paths: Sequence[str],
+        starts: np.ndarray,
+        storage_options: Mapping[str, str] | None = None,
+        max_open: int | None = None,
+        threads: int | None = None,
+        *,
+        flat: bool = True,
+        kernels: Kernels = NUMPY,
+        pool: BytePool | None = None,
+        versions: Sequence[tuple[int, int]] | None = None,
+        mini: bool = False,
+    ):
+        self.paths = list(paths)
+        self._v2_0 = None if versions is None else [v in V2_0 for v in versions]
+        self.starts = np.asarray(starts, dtype=np.int64)
+        self.storage_options = dict(storage_options) if storage_options else None
+        self.max_open = default_max_open(len(self.paths)) if max_open is None else max_open
+        if self.max_open < 1:
+            raise ValueError(f"max_open must be >= 1, got {self.max_open}")
+        remote = bool(self.paths) and is_remote(self.paths[0])
+        if threads is None:
+            threads = REMOTE_THREADS if remote else flat_threads() if flat else LOCAL_THREADS
+        self.threads = threads
+        self.flat, self.kernels = flat and not remote, kernels  # pread reads local files
+        self._pool = BytePool() if pool is None else pool  # the flat reads' buffers
+        self._flat_files = FlatFiles(mini=mini and kernels.backend == "numba", kernels=kernels)
+        self._decoder = False  # the mini-block decode kernel is loaded
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        self._open: OrderedDict[tuple[int, tuple[str, ...]], _Open] = OrderedDict()
+        self._lock = threading.Lock()  # guards _open against workers opening readers
+        self._in_turn = threading.Lock()  # one fetch's reads at a time on the one-thread path
+        self._session: Any | None = None  # a LanceFileSession where pylance has one
+        self.table: Matched | None = None  # field-id names and deletions (set by examine)
+        self._notice: str | None = None  # why a data file is read through Lance
+        self._warned = False
+        if remote and len({p.rsplit("/", 1)[0] for p in self.paths}) == 1:
+            base = self.paths[0].rsplit("/", 1)[0]
+            self._session = file_session(base, self.storage_options)
+
+    @classmethod
+    def of(
+        cls, expression: lance.LanceDataset, columns: Sequence[str], *args: Any, **kwargs: Any
+    ) -> DataFiles | None:
+        """:meth:`examine` (same arguments), with ``None`` where it declines."""
+        found = cls.examine(expression, columns, *args, **kwargs)
+        return found if isinstance(found, DataFiles) else None
+
+    @classmethod
+    def examine(
+        cls,
+        expression: lance.LanceDataset,
+        columns: Sequence[str],
+        storage_options: Mapping[str, str] | None = None,
+        max_open: int | None = None,
+        threads: int | None = None,
+        *,
+        flat: bool = True,
+        kernels: Kernels = NUMPY,
+        pool: BytePool | None = None,
+        mini: bool = False,
+    ) -> DataFiles | str:
+        """The data files of ``expression``'s pinned version, or why reading them directly
+        would not be exact (see the module docstring and :mod:`slafload._lance.fragments`).
+
+        ``flat``: read the version's local files without Lance's decoder where exact
+        (:mod:`slafload._lance.flat_pages`): Lance 2.0 files, and with ``mini`` 2.1+ files when
+        ``kernels`` are numba's (their mini-block pages decoded by a kernel,
+        :mod:`slafload._lance.miniblock`; the numpy decoder is the reference, slower than Lance's).
+        """
+        found = survey(expression)
+        if isinstance(found, str):
+            return found
+        mini = mini and kernels.backend == "numba"  # 2.1+ pages are decoded by a kernel
+        versions = found.versions
+        flat = flat and any(v in V2_0 or (mini and v in V2_1) for v in versions)
+        starts = np.concatenate([[0], np.cumsum(found.rows)])
+        direct = cls(found.paths, starts, storage_options, max_open, threads, flat=flat,
+                     kernels=kernels, pool=pool, versions=versions, mini=mini)  # fmt: skip
+        try:
+            stored = direct._new_reader(0, None).metadata().schema
+        except Exception as exc:  # an unreadable file is the scan's to report, not ours
+            return f"its first data file cannot be opened ({type(exc).__name__}: {exc})"
+        names = stored_names(expression, found.fields, stored, columns)
+        if isinstance(names, str):
+            return names
+        direct.table = Matched(
+            expression, names, tuple(stored.names), Deletions(expression, found.deleted)
+        )
+        if int(direct.starts[-1]) != expression.count_rows():
+            return (
+                f"its fragments hold {int(direct.starts[-1])} live rows but the table counts "
+                f"{expression.count_rows()}"
+            )
+        if not flat:  # the reader the reads would open first anyway
+            cols = tuple(names[c] for c in columns)
+            direct._entry(0, cols).reader = direct._new_reader(0, cols)
+        return direct
+
+    @property
+    def n_files(self) -> int:
+        """Data files of the pinned version."""
+        return len(self.paths)
+
+    def pieces(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Cut non-empty row ranges ``int64[k, 2]`` at data-file boundaries.
+
+        Returns ``(range index, file index, first row in the file, rows)`` per piece, in
+        range order.
+        """
+        first = np.searchsorted(self.starts, rows[:, 0], side="right") - 1
+        last = np.searchsorted(self.starts, rows[:, 1] - 1, side="right") - 1
+        counts = last - first + 1
+        which = np.repeat(np.arange(len(rows)), counts)
+        file = expand(first, counts)
+        lo = np.maximum(rows[which, 0], self.starts[file])
+        hi = np.minimum(rows[which, 1], self.starts[file + 1])
+        return which, file, lo - self.starts[file], hi - lo
+
+    def read(
+        self,
+        rows: np.ndarray,
+        columns: Sequence[str],
+        wanted: Sequence[np.ndarray | None] | None = None,
+    ) -> list[Sequence[pa.RecordBatch]]:
+        """The batches of every row range (non-empty ``int64[k, 2]``), one sequence per range.
+
+        ``wanted``, when given, holds for each range the row ranges inside it that the caller
+        keeps (``int64[j, 2]``, absolute rows, ascending and not overlapping; the rest are
+        gaps read through), or ``None`` for all of it: each range's batches are then those
+        rows alone. Each read thread keeps them as soon as it has read a piece
+        (:func:`keep_rows`), so the gap rows of a coalesced span (up to 32 times the wanted rows
+        for scattered single cells) live only while that piece is in hand, not until the
+        whole fetch is assembled.
+
+        Returns at once: the reads run on ``threads`` background threads, one task each
+        (:meth:`_read_windows`), each data file's pieces in one task, the files dealt to the
+        tasks in turn. Each range's sequence waits, when it is iterated, for the windows that
+        read its pieces, and raises their task's error there. So the Read stage's read-ahead
+        overlaps a fetch's range reads with the compute of the fetch before it, as a scan
+        overlaps its decoding on Lance's threads. The pool's threads end with their tasks (it
+        is shut down without waiting), so nothing outlives a fetch that is dropped half read.
+        """
+        names = tuple(columns)
+        cols = names if self.table is None else tuple(self.table.names[c] for c in names)
+        which, file, lo, n = self.pieces(rows)
+        keep = _pieces_kept(rows, wanted, which, self.starts[file] + lo, n)
+        job = _Job(cols, names, [None] * len(file), keep, [], [])
+        if self.table is not None:  # each piece's live rows, for a file read through Lance
+            job.live.extend(zip((self.starts[file] + lo).tolist(), n.tolist(), strict=True))
+            job.live_keep.extend(keep)
+            if self.table.deletions:
+                lo, n, keep = self._physical(file, lo, n, keep)
+                job.keep[:] = keep
+        by_file: dict[int, list[tuple[int, int, int]]] = {}
+        for k, (f, a, m) in enumerate(zip(file.tolist(), lo.tolist(), n.tolist(), strict=True)):
+            by_file.setdefault(f, []).append((k, a, m))
+        files = list(by_file.items())
+        n_tasks = min(self.threads, len(files))
+        window = max(1, STREAMS_AT_ONCE // n_tasks)  # streams alive per fetch, in all
+        plans = [_windows(files[t::n_tasks], window, first=t == 0) for t in range(n_tasks)]
+        events = [[threading.Event() for _ in plan] for plan in plans]  # one per window
+        pool = ThreadPoolExecutor(n_tasks, "slafload-read")
+        try:
+            tasks = [
+                pool.submit(self._read_windows, plan, job, done)
+                for plan, done in zip(plans, events, strict=True)
+            ]
+        finally:
+            pool.shutdown(wait=False)  # the threads end with their tasks
+        owner = {  # each piece's task and its window's event
+            k: (task, read)
+            for task, plan, done in zip(tasks, plans, events, strict=True)
+            for some, read in zip(plan, done, strict=True)
+            for _, k, _, _ in some
+        }
+        parts: list[list[int]] = [[] for _ in range(len(rows))]
+        for k, w in enumerate(which.tolist()):
+            parts[w].append(k)
+        return [_Pending([owner[k] for k in p], job.tables, p, self.notice) for p in parts]
+
+    def _physical(
+        self, file: np.ndarray, lo: np.ndarray, n: np.ndarray, keep: list[np.ndarray | None]
+    ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray | None]]:
+        """The pieces' physical rows and kept runs, deleted rows skipped
+        (:meth:`slafload._lance.fragments.Deletions.physical`).
+        """
+        assert self.table is not None
+        deletions = self.table.deletions
+        lo, n, keep = lo.copy(), n.copy(), list(keep)
+        for k, f in enumerate(file.tolist()):
+            if f in deletions.files:
+                lo[k], n[k], keep[k] = deletions.physical(f, int(lo[k]), int(n[k]), keep[k])
+        return lo, n, keep
+
+    def _read_windows(
+        self, plan: list[list[tuple[int, int, int, int]]], job: _Job,
+        done: list[threading.Event],
+    ) -> None:  # fmt: skip
+        """Read one task's pieces ``(file, k, first row, rows)``, window by window, into
+        ``job.tables[k]`` (only the rows ``job.keep[k]`` names, where it names any), setting a
+        window's event ``done[i]`` once it is read (and every event left, if the task fails).
+
+        A task per thread, not per file or range, and each piece read whole by one call: every
+        Python step of a read (a future, a queue hand-off, a batch pulled) must take the GIL
+        back, which the producer and the token worker hold for long stretches, so each step
+        saved per range is waiting saved (docs/sampling.md, "The GIL and the read threads").
+        A window's streams are all created before any of them is consumed, so Lance schedules
+        their I/O together (1.9x faster than one by one on one thread, measured) while the
+        pages they hold stay bounded (all 8k streams of a fetch of single cells at once peaked
+        at 3 GB of RSS). The first task's first window is the fetch's first piece alone, so
+        the fetch's first range, which the Read stage's read-ahead waits for (it takes each
+        fetch as far as its first batch), waits for one read, not for a task's share of the
+        fetch (the producer spent 40-58% of its time there at 5M). A file reader serves one
+        call at a time, so its lock is held while a stream is created, not while it is read.
+        With one thread, one fetch is read at a time, in the order asked.
+        """
+        try:
+            with self._in_turn if self.threads == 1 else contextlib.nullcontext():
+                for some, read in zip(plan, done, strict=True):
+                    self._open_window(some, job.cols)
+                    streams = [self._stream(f, job.cols, a, m) for f, _, a, m in some]
+                    flat = self._read_flat(streams, [job.keep[k] for _, k, _, _ in some])
+                    for i, ((_, k, _, _), stream) in enumerate(zip(some, streams, strict=True)):
+                        if i in flat:  # read flat: the kept rows only
+                            job.tables[k] = job.named(flat[i])
+                        elif stream is DECLINED:
+                            job.tables[k] = self._through_lance(job, k)
+                        else:
+                            table = stream.to_table()  # one call: the GIL is taken back once
+                            ranges = job.keep[k]
+                            table = table if ranges is None else keep_rows(table, ranges)
+                            job.tables[k] = job.named(table)
+                    read.set()
+        finally:
+            for read in done:
+                read.set()
+
+    def _through_lance(self, job: _Job, k: int) -> pa.Table:
+        """Piece ``k`` of ``job`` read by Lance's ``take_scan`` (its file is :data:`DECLINED`)."""
+        assert self.table is not None
+        first, rows = job.live[k]
+        batches = take_scan(self.table.expression, [(first, first + rows)],
+                            columns=list(job.names), batch_readahead=1)  # fmt: skip
+        table = pa.Table.from_batches(list(batches))
+        ranges = job.live_keep[k]
+        return table if ranges is None else keep_rows(table, ranges)
+
+    def _read_flat(
+        self, streams: list[Any], keep: Sequence[np.ndarray | None]
+    ) -> dict[int, pa.Table]:
+        """The tables of the :class:`FlatRange` items of ``streams``, by position, all read
+        by one :func:`~slafload._lance.flat_pages.read_ranges` call: of a piece whose ``keep`` names
+        the rows it keeps (relative to the piece), those rows alone, each run its own read
+        (a flat read costs ~0.03 ms, so reading through the gaps saves nothing: on the 5M
+        atlas, ``BlockShuffle(1, 256)``'s coalesced spans were ~20x its rows, and the pieces
+        read whole beside them held their gap rows in memory).
+        """
+        runs, owner = [], []
+        for i, (stream, kept) in enumerate(zip(streams, keep, strict=True)):
+            if not isinstance(stream, FlatRange):
+                continue
+            if kept is None:
+                runs.append(stream)
+                owner.append(i)
+                continue
+            file, start = stream.file, stream.start
+            for a, b in kept.tolist() or [(0, 0)]:
+                runs.append(FlatRange(file, start + a, b - a))
+                owner.append(i)
+        parts: dict[int, list[pa.Table]] = {}
+        read = read_ranges(runs, self.kernels, self._pool) if runs else []
+        for i, table in zip(owner, read, strict=True):
+            parts.setdefault(i, []).append(table)
+        return {i: t[0] if len(t) == 1 else pa.concat_tables(t) for i, t in parts.items()}
+
+    def _open_window(self, pieces: list[tuple[int, int, int, int]], cols: tuple[str, ...]) -> None:
+        """Open the files of a window's ``pieces`` that are not open yet, flat from their
+        footers, by one kernel call (:meth:`FlatFiles.open_many`): a block sampler's window
+        on the 5M atlas opens ~100 files in an epoch's first seconds, and opening each alone
+        took the GIL back once per file, each time after the other threads' turns. A file
+        that does not open so is left to :meth:`_opened`.
+        """
+        if not (self.flat and self._flat_files.format is not None and self._decoder_ready()):
+            return
+        todo: dict[int, _Open] = {}
+        for f, *_ in pieces:
+            entry = self._entry(f, cols)
+            if entry.reader is None or entry.provisional:
+                todo[f] = entry
+        if len(todo) < 2:
+            return  # one file: _opened opens it as well
+        opened = self._flat_files.open_many([self.paths[f] for f in todo], cols)
+        for entry, flat in zip(todo.values(), opened, strict=True):
+            if flat is not None and not self._fits(flat):
+                flat.close()  # _opened decides what reads it
+                flat = None
+            if flat is None:
+                continue
+            with entry.lock:
+                if entry.reader is None or entry.provisional:
+                    entry.reader, entry.provisional = flat, False
+                else:  # another thread opened it meanwhile
+                    flat.close()
+
+    def _stream(self, index: int, cols: tuple[str, ...], start: int, rows: int) -> Any:
+        """A started ``read_range`` of ``rows`` rows from ``start`` in data file ``index``
+        (for a flat file, the read itself is left to the caller's ``to_table()``).
+        """
+        entry = self._entry(index, cols)
+        with entry.lock:
+            reader = self._opened(entry, index, cols)
+            if reader is DECLINED:
+                return DECLINED  # read through Lance by the caller
+            if isinstance(reader, FlatFile):  # read with the window's other flat ranges
+                return FlatRange(reader, start, rows)
+            # One batch per range, so nothing to read ahead: pylance's default of 16 cost
+            # ~5% more CPU per range, measured on the 5M-cell atlas.
+            lance_reader: Any = reader
+            return lance_reader.read_range(start, rows, batch_size=rows, batch_readahead=1)
+
+    def _entry(self, index: int, cols: tuple[str, ...]) -> _Open:
+        key = (index, cols)
+        with self._lock:
+            entry = self._open.get(key)
+            if entry is not None:
+                self._open.move_to_end(key)
+                return entry
+            entry = self._open[key] = _Open()
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)  # a thread using it keeps its reference
+            return entry
+
+    def _new_reader(self, index: int, cols: tuple[str, ...] | None) -> LanceFileReader:
+        """Lance's reader of ``cols`` of data file ``index`` (``None``: every column)."""
+        columns = None if cols is None else list(cols)
+        if self._session is not None:
+            return self._session.open_reader(self.paths[index].rsplit("/", 1)[1], columns)
+        return LanceFileReader(
+            self.paths[index], storage_options=self.storage_options, columns=columns
+        )
+
+    def _lance_reader(self, index: int, cols: tuple[str, ...]) -> LanceFileReader | object:
+        """Lance's reader of ``cols`` of data file ``index``, or :data:`DECLINED` where the
+        file stores other names than the table's first data file (see :meth:`_fits`).
+        """
+        try:
+            reader = self._new_reader(index, cols)
+        except Exception:
+            if self.table is None or self._fits(self._new_reader(index, None)):
+                raise  # not a name the file lacks: the read reports it
+            return self._decline(index)
+        return reader if self._fits(reader) else self._decline(index)
+
+    def _fits(self, reader: LanceFileReader | FlatFile) -> bool:
+        """Whether ``reader``'s file stores the columns under the names the reads ask for:
+        those of the table's first data file (every file lists the same field ids,
+        :func:`~slafload._lance.fragments.survey`, so the names are at the same places).
+        """
+        if self.table is None:
+            return True
+        if isinstance(reader, FlatFile):
+            return reader.names == self.table.file_names
+        return tuple(reader.metadata().schema.names) == self.table.file_names
+
+    def _decline(self, index: int) -> object:
+        """Mark data file ``index`` to be read through Lance, and say so once."""
+        self._note(
+            f"data file {self.paths[index]} stores its columns under other names than the "
+            "table's first data file (columns renamed between writes), so its rows are read "
+            "through Lance's take_scan, ~0.2-0.5 ms more per range"
+        )
+        return DECLINED
+
+    def _note(self, notice: str) -> None:
+        """Keep the first ``notice`` of a data file left to Lance, for :meth:`notice`."""
+        with self._lock:
+            if self._notice is None:
+                self._notice = notice
+
+    def notice(self) -> None:
+        """Warn, once, that a data file is read through Lance (on the thread that reads the
+        batches: a warning raised as an error there reaches the caller).
+        """
+        if self._notice is not None and not self._warned and self.table is not None:
+            self._warned = True
+            uri = self.table.expression.uri
+            warnings.warn(f"{uri}: {self._notice}", ReaderFallbackWarning, stacklevel=2)
+
+    def _opened(
+        self, entry: _Open, index: int, cols: tuple[str, ...]
+    ) -> LanceFileReader | FlatFile | object:
+        """``entry``'s reader of data file ``index``, opened on first use: flat where the
+        file allows it (:mod:`slafload._lance.flat_pages`), else Lance's; :data:`DECLINED` where
+        the file stores other names than the reads ask for.
+        """
+        if entry.reader is DECLINED:
+            return entry.reader
+        if entry.reader is None or (entry.provisional and self._decoder_ready()):
+            flat = None
+            # A 2.1+ file opened before the decoder is loaded (numba's import takes ~0.5 s)
+            # is read by Lance meanwhile, not by the numpy decoder (~5x slower).
+            mini = self._flat_files.mini and self._decoder_ready()
+            v2_0 = None if self._v2_0 is None else self._v2_0[index]  # None: not known
+            if self.flat and (mini or v2_0 is not False):
+                flat = self._flat_files.open(self.paths[index], cols, mini=mini)
+                if flat is None and (mini or v2_0):
+                    self._note(
+                        f"data file {self.paths[index]} holds pages the flat reader does not "
+                        "decode (an encoding, nulls or compression it does not read), so it "
+                        "is read by Lance's file reader, several times the CPU per range"
+                    )
+            if flat is not None and not self._fits(flat):
+                flat.close()
+                flat, entry.reader = None, self._decline(index)
+            entry.provisional = self.flat and self._flat_files.mini and not mini and not v2_0
+            entry.provisional = entry.provisional and entry.reader is not DECLINED
+            if flat is not None:
+                entry.reader = flat
+            elif entry.reader is None:
+                entry.reader = self._lance_reader(index, cols)
+        return entry.reader
+
+    def _decoder_ready(self) -> bool:
+        if not self._decoder:
+            self._decoder = self.kernels.ready("decode_chunks")
+        return self._decoder
+
+
+def _pieces_kept(
+    rows: np.ndarray, wanted: Sequence[np.ndarray | None] | None, which: np.ndarray,
+    first: np.ndarray, n: np.ndarray,
+) -> list[np.ndarray | None]:  # fmt: skip
+    """For each piece (of range ``which[k]``, absolute rows ``first[k]`` on, ``n[k]`` of them),
+    the rows of it that ``wanted`` keeps, relative to the piece (``int64[j, 2]``); ``None``
+    where that is the whole piece, or nothing was asked.
+    """
+    keep: list[np.ndarray | None] = [None] * len(which)
+    if wanted is None:
+        return keep
+    whole = [w is None or (len(w) == 1 and w[0, 0] == a and w[0, 1] == b)
+             for w, (a, b) in zip(wanted, rows.tolist(), strict=True)]  # fmt: skip
+    for k, (r, a, m) in enumerate(zip(which.tolist(), first.tolist(), n.tolist(), strict=True)):
+        ranges = wanted[r]
+        if not whole[r] and ranges is not None:
+            inside = np.clip(ranges, a, a + m) - a
+            keep[k] = inside[inside[:, 1] > inside[:, 0]]
+    return keep
+
+
+def keep_rows(table: pa.Table, ranges: np.ndarray) -> pa.Table:
+    """Rows ``ranges`` (``int64[j, 2]``, in order) of ``table``.
+
+    Zero-copy slices where they are most of it; otherwise one ``take``, a copy of the kept
+    rows that lets the table's buffers, gap rows and all, go at once. The copy comes from the
+    system allocator: made on the read threads (which end with each fetch) and freed on the
+    producer, copies from Arrow's default pool (mimalloc) raised peak RSS by 50-70 MB on the
+    500k-cell atlas; from the system pool they did not (docs/sampling.md).
+    """
+    kept = int((ranges[:, 1] - ranges[:, 0]).sum())
+    if kept == table.num_rows and len(ranges) == 1:
+        return table
+    if 2 * kept >= table.num_rows:
+        return pa.concat_tables([table.slice(a, b - a) for a, b in ranges.tolist()])
+    rows = pa.array(expand(ranges[:, 0], ranges[:, 1] - ranges[:, 0]))
+    return pc.take(table, rows, memory_pool=pa.system_memory_pool())
+
+
+def _windows(
+    files: list[tuple[int, list[tuple[int, int, int]]]], window: int, *, first: bool,
+    max_rows: int = WINDOW_ROWS,
+) -> list[list[tuple[int, int, int, int]]]:  # fmt: skip
+    """The pieces ``(file, k, first row, rows)`` of ``files``, in order, cut into windows of
+    ``window`` pieces and at most ``max_rows`` rows (or one piece, if longer); with
+    ``first``, the first piece is a window of its own.
+    """
+    pieces = [(f, k, a, m) for f, ps in files for k, a, m in ps]
+    head = 1 if first and pieces else 0
+    windows = [pieces[:head]] if head else []
+    some: list[tuple[int, int, int, int]] = []
+    rows = 0
+    for piece in pieces[head:]:
+        if some and (len(some) == window or rows + piece[3] > max_rows):
+            windows.append(some)
+            some, rows = [], 0
+        some.append(piece)
+        rows += piece[3]
+    return [*windows, some] if some else windows
+
+
+@dataclass(frozen=True, eq=False)
+class _Job:
+    """One :meth:`DataFiles.read` call, as its read threads share it."""
+
+    cols: tuple[str, ...]  # the columns as the data files store them
+    names: tuple[str, ...]  # ...and as the table names them (what the tables are given)
+    tables: list[pa.Table | None]  # each piece's rows, once read
+    keep: list[np.ndarray | None]  # each piece's kept runs, relative to its first row read
+    live: list[tuple[int, int]]  # each piece's first dataset row and rows (with a table)
+    live_keep: list[np.ndarray | None]  # ...and its kept runs in those rows
+
+    def named(self, table: pa.Table) -> pa.Table:
+        """``table`` with the table's column names."""
+        return table if self.cols == self.names else table.rename_columns(list(self.names))
+
+
+class _Pending(Sequence[pa.RecordBatch]):
+    """One range's batches: its pieces' tables, each waited for (its window's event) on use.
+
+    Raises the error of a piece's task where that piece was not read.
+    """
+
+    def __init__(
+        self, waits: list[tuple[Future, threading.Event]], tables: list[pa.Table | None],
+        pieces: list[int], notice: Callable[[], None] = lambda: None,
+    ):  # fmt: skip
+        self._waits, self._tables, self._pieces = waits, tables, pieces
+        self._notice = notice
+        self._batches: list[pa.RecordBatch] | None = None
+
+    def _all(self) -> list[pa.RecordBatch]:
+        if self._batches is None:
+            batches: list[pa.RecordBatch] = []
+            for (task, read), k in zip(self._waits, self._pieces, strict=True):
+                read.wait()
+                table = self._tables[k]
+                if table is None:
+                    error = task.exception()  # the task has failed: wait for its error
+                    raise error if error is not None else RuntimeError(f"piece {k} not read")
+                batches.extend(b for b in table.to_batches() if b.num_rows)
+            self._notice()
+            self._batches = batches
+        return self._batches
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+    def __getitem__(self, i):
+        return self._all()[i]

@@ -1,0 +1,169 @@
+"""How a mixture's global cell ids meet its sources: lookups, offsets, reading, transforms.
+
+A :class:`~slafload.data.mixture.Mixture` numbers its sources' cells one after the other: source
+``k`` holds global cell ids ``[offsets[k], offsets[k + 1])``. The pieces here translate between
+global ids and each source's own: :class:`MixedReader` reads a fetch from its source,
+:class:`GlobalOffsets` gives the chunk stage CSR offsets by global id, :class:`CellColumn`
+gives the tokenize stage per-cell columns (source codes, ids within a source, obs codes), and
+:class:`PerSource` runs each chunk through its own source's transforms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from slafload.data.dataset import SlafDataset
+from slafload.pipeline.buffers import BytePool
+from slafload.pipeline.reader import ReadOptions
+from slafload.types import Chunk, ChunkTransform, Fetch, Offsets
+
+
+def source_of(offsets: np.ndarray, cells: np.ndarray) -> np.ndarray:
+    """The source index of each global cell id."""
+    return np.searchsorted(offsets, cells, side="right") - 1
+
+
+def _by_source(offsets: np.ndarray, cells: np.ndarray, n_sources: int) -> Iterator[tuple[int, Any]]:
+    """``(source, selector)`` for each source among ``cells``; a piece is one source's cells,
+    so that common case costs two scans, not a search per cell.
+    """
+    if not cells.size:
+        return
+    first, last = (
+        min(int(x), n_sources - 1) for x in source_of(offsets, np.array([cells.min(), cells.max()]))
+    )
+    if first == last:
+        yield first, slice(None)
+        return
+    src = np.minimum(source_of(offsets, cells), n_sources - 1)
+    for k in range(first, last + 1):
+        yield k, src == k
+
+
+class CellColumn:
+    """``int64`` values of global cell ids, looked up in each cell's own source.
+
+    ``parts[k]`` is an array indexed by source ``k``'s cell ids, a constant, or ``None`` (the
+    cell's id within its source). Indexing with global cell ids (as the tokenize stage indexes
+    obs codes) returns the values.
+    """
+
+    def __init__(self, offsets: np.ndarray, parts: Sequence[np.ndarray | int | None]):
+        self.offsets, self.parts = offsets, list(parts)
+
+    def __getitem__(self, cells: np.ndarray) -> np.ndarray:
+        cells = np.asarray(cells, dtype=np.int64)
+        out = np.empty(len(cells), dtype=np.int64)
+        for k, mask in _by_source(self.offsets, cells, len(self.parts)):
+            local = cells[mask] - self.offsets[k]
+            part = self.parts[k]
+            out[mask] = local if part is None else part if isinstance(part, int) else part[local]
+        return out
+
+
+class GlobalOffsets:
+    """The mixture's CSR offsets by global cell id, computed from the sources' own.
+
+    Row ids are global too: source ``k``'s rows follow all rows of sources ``< k``. No array
+    over all cells is built (each source already holds its own).
+    """
+
+    def __init__(self, offsets: np.ndarray, starts: Sequence[Offsets]):
+        self.offsets, self.starts = offsets, list(starts)
+        self.rows = np.concatenate([[0], np.cumsum([int(s[-1]) for s in starts])]).astype(np.int64)
+
+    def __getitem__(self, cells: Any) -> Any:
+        if isinstance(cells, (int, np.integer)):
+            return int(self[np.array([cells if cells >= 0 else cells + len(self)])][0])
+        if isinstance(cells, slice):  # budget.groups cuts a range at cell boundaries
+            cells = np.arange(*cells.indices(len(self)))
+        cells = np.asarray(cells, dtype=np.int64)
+        out = np.empty(cells.shape, dtype=np.int64)
+        for k, mask in _by_source(self.offsets, cells, len(self.starts)):
+            out[mask] = self.starts[k][cells[mask] - self.offsets[k]] + self.rows[k]
+        return out
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1]) + 1
+
+
+class MixedReader:
+    """Reads each fetch (global cell ids, one source) from its source's Lance tables.
+
+    The rows come back with global ``cell_integer_id`` so the chunk stage checks them against
+    the fetch as it does for one dataset.
+    """
+
+    def __init__(
+        self,
+        offsets: np.ndarray,
+        datasets: Sequence[SlafDataset],
+        options: ReadOptions | None = None,
+    ):
+        self.offsets = offsets
+        options = ReadOptions() if options is None else options
+        if options.pool is None:  # one pool for every source: flat reads keep one bound's worth
+            options = dataclasses.replace(options, pool=BytePool())
+        self.readers = [ds.reader(options) for ds in datasets]
+
+    def read(self, fetch: Fetch, *, cell_ids: bool = True) -> Iterator[pa.RecordBatch]:
+        """The record batches of ``fetch``, read from its source, with global cell ids
+        (``cell_ids=False``: possibly without them, as :meth:`slafload.pipeline.reader.Reader.read` says).
+        """
+        if not len(fetch.ranges):
+            return
+        k = int(source_of(self.offsets, fetch.ranges[:1, 0])[0])
+        offset = int(self.offsets[k])
+        local = Fetch(fetch.index, fetch.ranges - offset, fetch.shuffle_seed)
+        for batch in self.readers[k].read(local, cell_ids=cell_ids):
+            shift = offset and "cell_integer_id" in batch.schema.names
+            yield _shift_cells(batch, offset, int(self.offsets[-1])) if shift else batch
+
+
+def _shift_cells(batch: pa.RecordBatch, offset: int, n_cells: int) -> pa.RecordBatch:
+    """``batch`` with ``offset`` added to its cell ids, in their own type where every global
+    id fits (one pass over a 4-byte column), else as ``int64``.
+    """
+    i = batch.schema.get_field_index("cell_integer_id")
+    column = batch.column(i)
+    kind = column.type
+    if not pa.types.is_integer(kind) or n_cells > np.iinfo(kind.to_pandas_dtype()).max:
+        kind, column = pa.int64(), column.cast(pa.int64())
+    return batch.set_column(i, "cell_integer_id", pc.add(column, pa.scalar(offset, kind)))
+
+
+@dataclass(frozen=True, eq=False)
+class PerSource:
+    """Chunk transform: each chunk through the transforms of the source its cells belong to.
+
+    A mixture's fetches never straddle sources, so the first cell decides.
+    """
+
+    offsets: np.ndarray
+    transforms: tuple[tuple[ChunkTransform, ...], ...]
+
+    def __call__(self, chunk: Chunk) -> Chunk:
+        """``chunk`` through the transforms of its source."""
+        if not chunk.n_cells:
+            return chunk
+        k = int(source_of(self.offsets, chunk.cell_ids[:1])[0])
+        for transform in self.transforms[k]:
+            chunk = transform(chunk)
+        return chunk
+
+    def for_epoch(self, epoch: int) -> PerSource:
+        """Epoch-aware transforms of every source bound to ``epoch`` (itself if none is)."""
+        if not any(hasattr(t, "for_epoch") for ts in self.transforms for t in ts):
+            return self
+        bound = tuple(
+            tuple(t.for_epoch(epoch) if hasattr(t, "for_epoch") else t for t in ts)
+            for ts in self.transforms
+        )
+        return dataclasses.replace(self, transforms=bound)

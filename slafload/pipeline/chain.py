@@ -1,0 +1,162 @@
+"""The chain of stages, built in one place for every front end.
+
+:func:`build_chain` names every stage in the order data flows through it::
+
+    parts -> Read -> Assemble -> Shuffle -> Transform -> Split -> RankGenes -> Tokenize
+          -> Batches -> LayOut -> ToTorch
+
+:class:`~slafload.Loader` (on its prefetch thread), the ``IterableDataset`` face and the
+benchmark's stage profile all run this same function; epochs and positions are the business
+of :mod:`slafload.pipeline.epochs`, which runs a rank's epochs through one chain (or, when a tokenizer
+or transform depends on the epoch, one chain per epoch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+from slafload.config import LoaderConfig
+from slafload.data.dataset import SlafDataset
+from slafload.kernels import Kernels
+from slafload.pipeline.batcher import Batches, ToTorch
+from slafload.pipeline.buffers import BytePool
+from slafload.pipeline.chunk import Assemble, Shuffle, Split, Transform
+from slafload.pipeline.first_read import split_first
+from slafload.pipeline.layout import LayOut, TokenStage, make_token_stage
+from slafload.pipeline.partition import Part
+from slafload.pipeline.ranges import RangeSet
+from slafload.pipeline.ranking import RankGenes
+from slafload.pipeline.read import Read, RetryingReader
+from slafload.pipeline.reader import COLUMNS, ReadOptions
+from slafload.pipeline.stage import Stage
+from slafload.pipeline.tokenize import Tokenize
+from slafload.types import Batch, ChunkTransform, Tokenizer
+
+if TYPE_CHECKING:
+    from slafload.data.mixture import Mixture
+
+Observe = Callable[[str, Stage[Any]], Stage[Any]]
+"""Wraps each stage as it is built, by name (the benchmark times stages this way)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ChainSpec:
+    """What the chain needs besides the parts to read; immutable for a loader's lifetime.
+
+    Attributes:
+        dataset: The pinned dataset, or a :class:`~slafload.data.mixture.Mixture` of several
+            (it provides the same reader, offsets and size).
+        tokenizer: Turns ranked pieces into arrays.
+        config: Loader settings (read, piece and batch sizes, retries, read-ahead).
+        transforms: Chunk transforms run before ranking, in order.
+        obs: Obs column name to ``int64`` code per cell, added to every batch.
+        pin_memory: Pin each batch's tensors on the producer thread.
+        checked: Cells whose rows the loader's chains have checked against
+            ``cell_start_index`` (``LoaderConfig.check_rows``); kept by the spec, so the
+            chains of later epochs read them without ``cell_integer_id``.
+    """
+
+    dataset: SlafDataset | Mixture
+    tokenizer: Tokenizer
+    config: LoaderConfig
+    transforms: tuple[ChunkTransform, ...] = ()
+    obs: Mapping[str, Any] = field(default_factory=dict)  # int64 codes indexable by cell id
+    pin_memory: bool = False
+    checked: RangeSet = field(default_factory=RangeSet)
+
+    @cached_property
+    def tokens(self) -> TokenStage:
+        """Ranking, tokenizing and layout, as ``config.layout`` and ``tokenize_on`` ask."""
+        return make_token_stage(self.tokenizer, self.config, self.kernels)
+
+    @cached_property
+    def kernels(self) -> Kernels:
+        """The compiled kernels (``config.kernels``) of the token stage and the reader."""
+        return Kernels(self.config.kernels)
+
+    def for_epoch(self, epoch: int) -> ChainSpec:
+        """This spec with its epoch-aware tokenizer and transforms bound to ``epoch``.
+
+        A transform or tokenizer with a ``for_epoch(epoch)`` method (e.g. one drawing random
+        numbers keyed by ``(seed, epoch, cell)``, as scGPT's presets do) is replaced by what it
+        returns; the others are kept. Stages themselves never learn the epoch.
+        """
+        tokenizer = _bind_epoch(self.tokenizer, epoch)
+        transforms = tuple(_bind_epoch(t, epoch) for t in self.transforms)
+        if tokenizer is self.tokenizer and all(
+            a is b for a, b in zip(transforms, self.transforms, strict=True)
+        ):
+            return self
+        return dataclasses.replace(self, tokenizer=tokenizer, transforms=transforms)
+
+
+def _bind_epoch(stage: Any, epoch: int) -> Any:
+    """``stage.for_epoch(epoch)`` for an epoch-aware tokenizer or transform, else ``stage``."""
+    bind = getattr(stage, "for_epoch", None)
+    return stage if bind is None else bind(epoch)
+
+
+def _as_is(name: str, stage: Stage[Any]) -> Stage[Any]:
+    return stage
+
+
+def build_chain(
+    spec: ChainSpec,
+    parts: Iterator[Part],
+    *,
+    sleep: Callable[[float], object] = time.sleep,
+    observe: Observe = _as_is,
+    epochs: Iterator[int] | None = None,
+) -> Stage[Batch]:
+    """The stages that turn ``parts`` (a rank's share of one or more epochs) into torch batches.
+
+    Args:
+        spec: Dataset, tokenizer, settings.
+        parts: The parts to deliver, in order (:meth:`slafload.pipeline.partition.RankShare.parts`).
+        sleep: Waits between read retries; the prefetcher passes one that a stop request
+            interrupts.
+        observe: Called with each stage's name as it is built; returns the stage to use.
+        epochs: When ``parts`` runs through several epochs back to back, the cells each
+            epoch delivers, in order (no batch spans two epochs); ``None``: one epoch.
+    """
+    cfg, ds = spec.config, spec.dataset
+    lance_reader = ds.reader(
+        ReadOptions(
+            batch_rows=cfg.read_batch_rows,
+            direct=cfg.read_data_files,
+            threads=cfg.read_threads,
+            flat=cfg.read_flat,
+            mini=cfg.read_mini_blocks,
+            kernels=spec.kernels,
+            pool=BytePool(keep=cfg.memory_budget // 2),  # flat reads' buffers, in the budget
+        )
+    )
+    reader = RetryingReader(lance_reader, cfg.retry, uri=ds.uri, sleep=sleep)
+    checked = spec.checked if cfg.check_rows == "once" else None
+    # The run's first part is read as its first few output cells, then the rest: the first
+    # batch waits for a handful of cells, not a whole fetch (same cells, same order).
+    parts = split_first(parts, max(cfg.first_read_cells, cfg.batch_size))
+    read = Read(
+        parts,
+        reader,
+        ds.cell_start,
+        row_bytes=ds.row_bytes(COLUMNS),
+        read_ahead=cfg.read_ahead,
+        memory_budget=cfg.memory_budget,
+        checked=checked,
+    )
+    s: Stage[Any] = observe("read", read)
+    s = observe("assemble", Assemble(s, ds, checked))  # type: ignore[arg-type]  # duck-typed
+    s = observe("shuffle", Shuffle(s))
+    s = observe("transform", Transform(s, spec.transforms))
+    s = observe("split", Split(s, cfg.piece_cells))
+    s = observe("rank", RankGenes(s, start=spec.tokens.start, lookahead=1))
+    s = observe("tokenize", Tokenize(s, spec.tokens, spec.obs))
+    s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last, epochs=epochs))
+    s = observe("layout", LayOut(s, spec.tokens, spec.kernels))
+    return observe("to_torch", ToTorch(s, pin_memory=spec.pin_memory))

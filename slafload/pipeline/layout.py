@@ -1,0 +1,320 @@
+"""Stage 6b: lay out each batch's token rows: padded, padded to the longest cell, or packed.
+
+``Loader(layout=...)`` picks one of three :class:`Layout` strategies; a batch is always
+``batch_size`` cells, only the shape of its token streams changes:
+
+``"padded"`` (default)
+    Today's fixed ``[batch, width]`` arrays, slafdb-compatible, exactly as the tokenizer made
+    them.
+``"longest"``
+    The same rows padded only to the longest cell of the batch (Hugging Face's collator
+    convention): ``padded[:, :width]`` where ``width`` is that cell's token count.
+``"packed"``
+    No padding at all: every token stream (``input_ids``, scGPT ``values``, raw ``gene_ids``
+    and ``values``) is one 1-D tensor of the batch's cells back to back;
+    ``cu_seqlens`` (``int32 [batch + 1]``, FlashAttention's varlen convention) holds where
+    each cell starts and ``position_ids`` restart at 0 for each cell. There is no
+    ``attention_mask``: every token is real, and the cell boundaries are ``cu_seqlens``.
+
+Per-cell arrays (``cell_integer_id``, obs codes, raw ``lengths``) are the same in every
+layout. ``token_dtype="int32"`` makes every integer token stream (and ``position_ids``)
+``int32``; ``cu_seqlens`` is always ``int32``, per-cell arrays stay ``int64``.
+
+The producer side of tokenizing is a *token stage* with four steps, so any chain of stages
+can call it: ``start(piece)`` does the work on a piece that can run ahead of its turn (ranking
+and tokenizing, on the rank stage's worker thread),
+``rows(pending)`` returns the piece's row-aligned arrays and output cell ids, ``finish(batch)``
+lays out one batch's rows, and ``consume(batch, device)`` is the consumer's last step (a move
+to the device here; tokenizing there for :mod:`slafload.pipeline.device_tokenize`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from slafload.config import LoaderConfig
+from slafload.errors import LayoutError
+from slafload.kernels import NUMPY, Kernels
+from slafload.pipeline.buffers import RowBuffers, fresh
+from slafload.pipeline.ragged import RAGGED_KEY, Ragged, _builtin, ragged_tokens, unmasked
+from slafload.pipeline.ranking import PendingRank, start_rank
+from slafload.pipeline.stage import Stage
+from slafload.tokenizers import ScGPT
+from slafload.types import Chunk, RankedChunk, Tokenizer
+
+INT64 = np.dtype(np.int64)
+ROW_TOKENS = "_row_tokens"  # a piece's per-row token counts, carried to the longest layout
+Arrays = dict[str, Any]  # row-aligned numpy arrays, and at most one Ragged under RAGGED_KEY
+
+
+class Pending(Protocol):
+    """Work started on a piece: :meth:`discard` must be called if it is never collected."""
+
+    def discard(self) -> None:
+        """Release the work if it will never be collected."""
+
+
+class Layout(Protocol):
+    """Turns one batch's rows (numpy, possibly a :class:`Ragged`) into its output arrays."""
+
+    name: str
+    ragged: bool  # whether pieces are tokenized straight into Ragged rows
+
+    @property
+    def token_dtype(self) -> np.dtype:
+        """The dtype of integer token streams and ``position_ids``."""
+
+    def piece(self, arrays: Arrays) -> Arrays:
+        """Prepare a whole piece's rows before it is cut into batches."""
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as the layout's output arrays."""
+
+
+@dataclass(frozen=True)
+class _Layout:
+    token_dtype: np.dtype = INT64  # of integer token streams and position_ids
+
+    def piece(self, arrays: Arrays) -> Arrays:
+        """A whole piece's rows, before batching: add what is cheaper made once per piece."""
+        return arrays
+
+
+class Padded(_Layout):
+    """The tokenizer's own fixed-width rows, untouched."""
+
+    name = "padded"
+    ragged = False
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """The batch's padded rows, as they are."""
+        return dict(batch)
+
+
+class Longest(_Layout):
+    """Rows padded to the longest cell of the batch, with ``attention_mask`` if padded had it.
+
+    The piece is tokenized exactly as for ``padded`` (into reused buffers, on the token
+    worker); each batch's token rows are then its padded rows' first ``width`` columns, copied
+    out whole by the producer's ``ToTorch`` (one bulk copy per stream, no loop over cells).
+    """
+
+    name = "longest"
+    ragged = False
+
+    def piece(self, arrays: Arrays) -> Arrays:
+        """Add how many columns of each row hold tokens (:data:`ROW_TOKENS`): up to its last
+        ``attention_mask`` position, or its ``lengths`` (raw).
+        """
+        mask = arrays.get("attention_mask")
+        if mask is not None and mask.ndim == 2:
+            last = mask.shape[1] - np.argmax(mask[:, ::-1], axis=1)  # one past the last true
+            tokens = np.where(mask.any(axis=1), last, 0)
+        elif "lengths" in arrays:  # raw: no mask, and a row holds its lengths' entries
+            tokens = np.asarray(arrays["lengths"])
+        else:
+            raise unmasked(f"the tokenizer of output {sorted(arrays)}")
+        return {**arrays, ROW_TOKENS: tokens}
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """The batch's padded rows without the columns that are padding in every row."""
+        out = dict(batch)
+        tokens = out.pop(ROW_TOKENS)
+        width = int(tokens.max()) if len(tokens) else 0
+        return {k: v[:, :width] if v.ndim == 2 else v for k, v in out.items()}
+
+
+class Packed(_Layout):
+    """Token streams back to back, with ``cu_seqlens`` and per-cell ``position_ids``."""
+
+    name = "packed"
+    ragged = True
+
+    def piece(self, arrays: Arrays) -> Arrays:
+        """Add within-cell ``position_ids`` to the piece's token streams."""
+        # Positions count within a cell, so a piece's stream sliced at cell boundaries is each
+        # batch's: one pass per piece instead of one numpy call chain per batch.
+        rows = arrays[RAGGED_KEY]
+        streams = {**rows.streams, "position_ids": position_ids(rows.offsets, self.token_dtype)}
+        return {**arrays, RAGGED_KEY: Ragged(rows.offsets, streams)}
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """The batch's token streams back to back, with ``cu_seqlens`` offsets."""
+        cells, rows = _split(batch)
+        return {**rows.streams, "cu_seqlens": rows.offsets.astype(np.int32), **cells}
+
+
+LAYOUTS = {cls.name: cls for cls in (Padded, Longest, Packed)}
+
+
+def make_layout(name: str, token_dtype: str = "int64") -> Layout:
+    """The :class:`Layout` called ``name`` (``padded``, ``longest`` or ``packed``)."""
+    if name not in LAYOUTS:
+        raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {name!r}")
+    return LAYOUTS[name](np.dtype(token_dtype))
+
+
+def position_ids(offsets: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``0, 1, ..`` restarting at every row start of ``offsets``.
+
+    Each row is a slice of one short ramp, and one native ``concatenate`` writes them into an
+    array from :func:`~slafload.pipeline.buffers.fresh`: no stream-sized temporaries (a ``repeat`` of
+    the row starts and an ``arange``, 13 MB each per piece, made this cost as much as ranking
+    the piece; 3.3 against 0.7-1.0 ms per 2,048-cell piece of 1.66M tokens).
+    """
+    lengths = np.diff(offsets)
+    out = fresh(int(offsets[-1]), dtype)
+    if len(out):
+        ramp = np.arange(int(lengths.max()), dtype=dtype)
+        np.concatenate([ramp[:n] for n in lengths.tolist()], out=out)
+    return out
+
+
+def _split(batch: Arrays) -> tuple[dict[str, np.ndarray], Ragged]:
+    """The batch's per-cell arrays, and its token rows."""
+    return {k: v for k, v in batch.items() if k != RAGGED_KEY}, batch[RAGGED_KEY]
+
+
+class TokenStage(Protocol):
+    """The producer's tokenizing steps and the consumer's last step (see the module doc)."""
+
+    def start(self, piece: Chunk) -> Pending:
+        """Start the work on a piece (ranking may run in the background)."""
+
+    def rows(self, pending: Any) -> tuple[Arrays, np.ndarray]:
+        """Collect started work: the token rows and their output cell ids."""
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as its output numpy arrays."""
+
+    def consume(
+        self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
+    ) -> dict[str, torch.Tensor]:
+        """The consumer's last step: the batch's tensors, on ``device``."""
+
+
+@dataclass(frozen=True, eq=False)
+class Tokenized:
+    """A piece ranked and tokenized ahead of its turn: its rows and output cell ids."""
+
+    arrays: Arrays
+    cells: np.ndarray
+
+    def discard(self) -> None:
+        """Nothing runs in the background: nothing to wait for."""
+
+
+@dataclass(frozen=True, eq=False)
+class HostTokens:
+    """Rank and tokenize with numpy, on the worker thread of :class:`~slafload.pipeline.ranking.RankGenes`
+    (Polars' threads rank float64 values).
+
+    The built-in tokenizers write padded rows into arrays reused from piece to piece once the
+    consumer has released every batch viewing them (:mod:`slafload.pipeline.buffers`), and run their
+    per-cell loops through ``kernels`` (:mod:`slafload.kernels`).
+    """
+
+    tokenizer: Tokenizer
+    layout: Layout
+    buffers: RowBuffers = field(default_factory=RowBuffers)
+    kernels: Kernels = NUMPY
+
+    def start(self, piece: Chunk) -> Tokenized:
+        """Rank and tokenize ``piece`` (on :class:`~slafload.pipeline.ranking.RankGenes`' worker)."""
+        return Tokenized(*self._tokenize(start_rank(piece).result()))
+
+    def rows(self, pending: Tokenized | PendingRank) -> tuple[Arrays, np.ndarray]:
+        """The rows of a started piece; a bare ranking is tokenized now."""
+        if isinstance(pending, Tokenized):
+            return pending.arrays, pending.cells
+        return self._tokenize(pending.result())
+
+    def _tokenize(self, ranked: RankedChunk) -> tuple[Arrays, np.ndarray]:
+        dtype = self.layout.token_dtype
+        if self.layout.ragged:
+            arrays = self.layout.piece(ragged_tokens(self.tokenizer, ranked, dtype, self.kernels))
+        else:
+            if _builtin(self.tokenizer) is not None:
+                builtin: Any = self.tokenizer  # takes the per-loader buffers and kernels
+                arrays = dict(builtin(ranked, buffers=self.buffers, kernels=self.kernels))
+            else:
+                arrays = dict(self.tokenizer(ranked))
+            if dtype != np.int64:
+                arrays = {k: _narrow(v, dtype) for k, v in arrays.items()}
+            arrays = self.layout.piece(arrays)
+        return arrays, ranked.output_cell_ids
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as the layout's output arrays."""
+        return self.layout.finish(batch)
+
+    def consume(
+        self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
+    ) -> dict[str, torch.Tensor]:
+        """Move the batch's tensors to ``device`` (no copy on the CPU)."""
+        if device is None or device.type == "cpu":
+            return dict(batch)
+        return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
+
+def _narrow(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Token rows (2-D ``int64``) in ``dtype``; per-cell arrays unchanged."""
+    return array.astype(dtype) if array.ndim == 2 and array.dtype == np.int64 else array
+
+
+def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernels) -> TokenStage:
+    """The token stage ``config.tokenize_on`` and ``config.layout`` ask for, its per-cell
+    loops run through ``kernels`` (whose owner closes them).
+    """
+    layout = make_layout(config.layout, config.token_dtype)
+    _check_value_tokens(tokenizer, layout.token_dtype)
+    if config.tokenize_on == "device":
+        from slafload.pipeline.device_tokenize import DeviceTokens
+
+        return DeviceTokens(tokenizer, layout)
+    return HostTokens(
+        tokenizer,
+        layout,
+        RowBuffers(rows=config.piece_cells),
+        kernels,
+    )
+
+
+def _check_value_tokens(tokenizer: Tokenizer, dtype: np.dtype) -> None:
+    """Refuse an scGPT value offset whose tokens ``dtype`` cannot hold (they would wrap)."""
+    if not isinstance(tokenizer, ScGPT):
+        return
+    low, high = tokenizer.value_offset, tokenizer.value_offset + tokenizer.n_bins - 1
+    limits = np.iinfo(dtype)
+    if low < limits.min or high > limits.max:
+        raise LayoutError(
+            f"token_dtype={dtype.name!r} cannot hold tokenizer {tokenizer.name!r}'s value "
+            f"tokens {low}..{high} (value_offset {low}, n_bins {tokenizer.n_bins}); use "
+            "token_dtype='int64' or a value_offset within that range"
+        )
+
+
+class LayOut(Stage[dict[str, np.ndarray]]):
+    """Each batch's token rows in the loader's layout (padded, longest or packed)."""
+
+    def __init__(self, source: Any, tokens: TokenStage, kernels: Kernels = NUMPY):
+        super().__init__(source)
+        self.tokens, self.kernels = tokens, kernels
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self.tokens.finish(next(self.source))
+
+    def close(self) -> None:
+        """Close the stages before, then end the chain's kernels' compile thread (the token
+        worker and the producer have stopped by then, so nothing starts a new one; the read
+        threads never do).
+        """
+        try:
+            super().close()
+        finally:
+            self.kernels.close()

@@ -1,0 +1,225 @@
+"""Stage 5: rank each cell's genes by expression.
+
+(Gene *ranking*; the partition of epochs among distributed ranks is :mod:`slafload.pipeline.partition`.)
+
+Within every cell the expressed genes (value > 0) are ordered by value, highest first, ties
+broken by gene id ascending. When a gene id and its value pack into one 32- or 64-bit integer
+key (integer counts, ``float32`` values), each cell's keys are sorted with numpy's SIMD sort
+(:func:`rank_by_keys`: about a third of the CPU time of the Polars window, measured in
+docs/benchmarks.md). Otherwise the whole chunk is ranked in one Polars window expression
+(``struct(gene, value).sort_by(value).over(cell)``) running in Rust with the GIL released.
+The result keeps the chunk's CSR layout, so a cell's ranked genes are contiguous and the
+``j``-th of them has rank ``j``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from slafload._lance._compat import BackgroundQuery, collect_in_background
+from slafload.pipeline.buffers import scratch
+from slafload.pipeline.stage import Stage
+from slafload.types import Chunk, RankedChunk
+
+
+def rank(chunk: Chunk) -> RankedChunk:
+    """Rank the genes of every cell of ``chunk`` (value descending, gene id ascending)."""
+    return start_rank(chunk).result()
+
+
+class PendingRank:
+    """A ranking, done or running on Polars' own thread pool; :meth:`result` waits for it.
+
+    Lets the single producer thread tokenize one chunk while Polars ranks the next, so
+    numpy (one core) and Polars (Rust threads, no GIL) work at the same time.
+    """
+
+    def __init__(
+        self,
+        chunk: Chunk,
+        indptr: np.ndarray,
+        genes: np.ndarray,
+        values: np.ndarray,
+        query: BackgroundQuery | None,
+    ):
+        self._chunk, self._indptr, self._query = chunk, indptr, query
+        self._genes, self._values = genes, values
+
+    def discard(self) -> None:
+        """Wait for the query and drop it: Polars must never be left sending to nobody."""
+        if self._query is not None:
+            self._query.fetch_blocking()
+            self._query = None
+
+    def result(self) -> RankedChunk:
+        """Wait for the ranking and return it."""
+        genes, values = self._genes, self._values
+        if self._query is not None:
+            ranked, self._query = self._query.fetch_blocking(), None
+            genes = ranked.get_column("gene").to_numpy()
+            values = ranked.get_column("value").to_numpy()
+        c = self._chunk
+        return RankedChunk(c.fetch_index, c.cell_ids, self._indptr, genes, values, c.order)
+
+
+def start_rank(chunk: Chunk) -> PendingRank:
+    """Start ranking ``chunk`` (see :class:`PendingRank`).
+
+    Genes and values that pack into one integer sort key of at most 64 bits (integer counts,
+    ``float32`` values: every SLAF converter's types) are ranked at once with a sort of each
+    cell's keys (:func:`rank_by_keys`); anything else (``float64`` values after a
+    normalising transform) on Polars' threads, in the background.
+    """
+    genes, values, indptr = chunk.genes, chunk.values, chunk.indptr
+    expressed = values > 0
+    if not expressed.all():
+        genes, values = genes[expressed], values[expressed]
+        kept = np.concatenate([[0], np.cumsum(expressed, dtype=np.int64)])
+        indptr = kept[indptr]
+    if not len(genes):
+        return PendingRank(chunk, indptr, genes, values, None)
+    by_keys = rank_by_keys(indptr, genes, values)
+    if by_keys is not None:
+        return PendingRank(chunk, indptr, *by_keys, None)
+    cell = np.repeat(np.arange(chunk.n_cells, dtype=np.int32), np.diff(indptr))
+    # Chunks hold each cell's genes strictly ascending whatever the storage order (the chunk
+    # stage sorts cells stored otherwise), so a stable sort by value descending breaks ties by
+    # gene id ascending.
+    # `cell` is sorted, so "explode" emits the groups in storage order without scattering
+    # results back to row positions; sorting (gene, value) as one struct sorts once.
+    query = (
+        pl.LazyFrame({"cell": cell, "gene": genes, "value": values})
+        .with_columns(pl.col("cell").set_sorted())
+        .select(
+            pl.struct("gene", "value")
+            .sort_by("value", descending=True, maintain_order=True)
+            .over("cell", mapping_strategy="explode")
+            .alias("ranked")
+        )
+        .unnest("ranked")
+    )
+    return PendingRank(chunk, indptr, genes, values, collect_in_background(query))
+
+
+def rank_by_keys(
+    indptr: np.ndarray, genes: np.ndarray, values: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each cell's ``(genes, values)`` in rank order, by sorting one integer key per entry.
+
+    The key of an entry is ``(top - value) << gene_bits | gene``: ascending keys are values
+    descending, ties by gene id ascending (a cell's genes are distinct, so keys never tie).
+    Positive ``float`` values order as their bit patterns do. Each cell's keys are sorted in
+    place (numpy's SIMD sort on 32- or 64-bit integers) and decoded back.
+
+    Returns ``None`` when the key would need more than 64 bits (``float64`` values, very
+    wide integers); the caller then ranks another way. ``values`` must all be positive.
+    """
+    value_bits, as_int = _value_key(values)
+    gene_bits = _bits(genes)
+    if value_bits is None or gene_bits is None or value_bits + gene_bits > 64:
+        return None
+    key_type = np.uint32 if value_bits + gene_bits <= 32 else np.uint64
+    top = (1 << value_bits) - 1
+    keys = np.subtract(top, as_int, out=scratch("rank_keys", len(genes), key_type),
+                       dtype=key_type, casting="unsafe")  # fmt: skip
+    keys <<= gene_bits
+    np.bitwise_or(keys, genes, out=keys, dtype=key_type, casting="unsafe")
+    bounds = indptr.tolist()
+    for start, stop in pairwise(bounds):
+        if stop - start > 1:
+            keys[start:stop].sort()
+    if genes.dtype.kind == "u" and genes.dtype.itemsize * 8 == gene_bits:
+        ranked_genes = keys.astype(genes.dtype)  # the low bits are the gene
+    else:
+        ranked_genes = (keys & ((1 << gene_bits) - 1)).astype(genes.dtype)
+    keys >>= gene_bits
+    ranked = np.subtract(top, keys, dtype=as_int.dtype, casting="unsafe")
+    return ranked_genes, ranked.view(values.dtype) if values.dtype.kind == "f" else ranked
+
+
+def _bits(ints: np.ndarray) -> int | None:
+    """Bits of the largest of ``ints``; ``None`` unless they are non-negative integers."""
+    if ints.dtype.kind not in "iu" or (ints.dtype.kind == "i" and int(ints.min()) < 0):
+        return None
+    if ints.dtype.kind == "u" and ints.dtype.itemsize <= 2:
+        return ints.dtype.itemsize * 8
+    return max(int(ints.max()).bit_length(), 1)
+
+
+def _value_key(values: np.ndarray) -> tuple[int | None, np.ndarray]:
+    """Bits of the order-preserving integer form of positive ``values``, and that form."""
+    if values.dtype.kind == "f":
+        if values.dtype.itemsize > 4:
+            return None, values
+        as_int = values.view(np.uint32 if values.dtype.itemsize == 4 else np.uint16)
+        return values.dtype.itemsize * 8, as_int
+    return _bits(values), values
+
+
+class RankGenes(Stage[Any]):
+    """Does each piece's token work ``lookahead`` pieces ahead, on a worker thread.
+
+    ``start`` is the token stage's (:mod:`slafload.pipeline.layout`): on the producer it ranks and
+    tokenizes the piece, for device tokenizing it only packs the piece's CSR. It runs on one
+    worker thread owned by this stage, so piece ``i + 1`` is ranked and tokenized while this
+    thread cuts piece ``i`` into batches and assembles the next chunk (numpy releases the GIL
+    in its bulk work: both cores work; measured in docs/benchmarks.md). Results come back in
+    order. The first piece goes out before the next is pulled, so the first batch of a run
+    waits for nothing else. If pulling the next piece fails, the pieces already started are
+    handed on first and the failure is raised after them; a failure of the work itself is
+    raised in its turn.
+    """
+
+    def __init__(
+        self,
+        source: Iterator[Chunk],
+        *,
+        start: Callable[[Chunk], Any] = start_rank,
+        lookahead: int = 1,
+    ):
+        super().__init__(source)
+        self.start, self.lookahead = start, lookahead
+        self._pending: list[Future[Any]] = []
+        self._failure: BaseException | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._first = True
+
+    def __next__(self) -> Any:
+        ahead = 0 if self._first else self.lookahead
+        self._first = False
+        while self._failure is None and len(self._pending) <= ahead:
+            try:
+                piece = next(self.source)
+            except StopIteration:
+                break
+            except Exception as exc:  # deliver what was read before the failure, then raise
+                self._failure = exc
+                break
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="slafload-tokens")
+            self._pending.append(self._worker.submit(self.start, piece))
+        if self._pending:
+            return self._pending.pop(0).result()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        raise StopIteration
+
+    def close(self) -> None:
+        """Wait out the work in flight (Polars must never send to nobody), end the worker,
+        close the source.
+        """
+        pending, self._pending = self._pending, []
+        for future in pending:
+            if not future.cancel() and future.exception() is None:
+                future.result().discard()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        super().close()

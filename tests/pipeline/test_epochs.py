@@ -1,0 +1,217 @@
+"""Epochs through one chain: a run's epochs follow each other through one chain of stages
+(the next epoch's reads start before this one's last batch is out), delivering exactly what
+one chain per epoch delivers, with the same positions; epoch-aware chains are rebuilt."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import slafload.pipeline.epochs
+import slafload.pipeline.reader
+from slafload import open_dataset
+from slafload.config import LoaderConfig
+from slafload.data.sources import PerSource
+from slafload.errors import LoaderError
+from slafload.pipeline.batcher import Batches
+from slafload.pipeline.chain import ChainSpec
+from slafload.pipeline.epochs import Delivery, Position, Run
+from slafload.pipeline.partition import RankShare
+from slafload.samplers import BlockShuffle, ChunkShuffle, Streaming
+from slafload.tokenizers import Geneformer
+from slafload.types import Chunk
+
+SAMPLERS = {
+    "streaming": Streaming(chunk_cells=64),
+    "chunk": ChunkShuffle(chunk_cells=48),
+    "block": BlockShuffle(block_size=4, fetch_factor=3),
+}
+
+
+def make_run(ds, sampler, *, n_epochs=3, rank=0, world_size=1, transforms=(), **config):
+    config = LoaderConfig(batch_size=10, n_epochs=n_epochs, seed=5, **config)
+    if isinstance(sampler, BlockShuffle):
+        sampler = dataclasses.replace(sampler, batch_size=config.batch_size)
+    spec = ChainSpec(ds, Geneformer(max_genes=8), config, transforms=tuple(transforms))
+    return Run(spec, sampler, rank=rank, world_size=world_size)
+
+
+def per_epoch(run: Run) -> list[Delivery]:
+    """The run as one chain per epoch: the reference the shared chain must match."""
+    out, position = [], Position()
+    while not run.complete(position):
+        epoch = list(run.epoch(position.epoch, position.history, position.cells))
+        if epoch:
+            last = epoch[-1]
+            out += [*epoch[:-1], Delivery(last.batch, Position(position.epoch + 1))]
+        position = Position(position.epoch + 1)
+    return out
+
+
+def assert_same(got: list[Delivery], want: list[Delivery]) -> None:
+    assert [d.after for d in got] == [d.after for d in want]
+    for a, b in zip(got, want, strict=True):
+        assert a.batch.keys() == b.batch.keys()
+        for key in a.batch:
+            np.testing.assert_array_equal(a.batch[key].numpy(), b.batch[key].numpy())
+
+
+def count_chains(monkeypatch) -> list[int]:
+    built: list[int] = []
+    build = slafload.pipeline.epochs.build_chain
+
+    def counting(*args, **kwargs):
+        built.append(1)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(slafload.pipeline.epochs, "build_chain", counting)
+    return built
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(("rank", "world_size"), [(0, 1), (1, 3)])
+def test_epochs_share_one_chain_and_deliver_what_a_chain_per_epoch_does(
+    small_slaf, monkeypatch, name, drop_last, rank, world_size
+):
+    run = make_run(
+        open_dataset(small_slaf), SAMPLERS[name], rank=rank, world_size=world_size,
+        drop_last=drop_last,
+    )  # fmt: skip
+    want = per_epoch(run)
+    built = count_chains(monkeypatch)
+    got = list(run.run(Position()))
+    assert len(built) == 1
+    assert_same(got, want)
+    share = run.share(0).quota
+    per = share // 10 * 10 if drop_last else share
+    ends = [d for d in got if d.after.cells == 0]
+    assert [d.after.epoch for d in ends] == [1, 2, 3]
+    for epoch in range(3):  # every cell of the epoch's share exactly once, no batch across
+        cells = np.concatenate(
+            [d.batch["cell_integer_id"].numpy() for d in got if _epoch_of(d, got) == epoch]
+        )
+        assert len(cells) == per and len(np.unique(cells)) == per
+
+
+def _epoch_of(delivery: Delivery, run: list[Delivery]) -> int:
+    """The epoch a delivery belongs to: the one its position is in, or just ended."""
+    after = delivery.after
+    return after.epoch - 1 if after.cells == 0 else after.epoch
+
+
+@pytest.mark.parametrize("name", ["chunk", "block"])
+def test_resuming_at_any_position_of_a_shared_chain_delivers_the_rest_exactly(small_slaf, name):
+    run = make_run(open_dataset(small_slaf), SAMPLERS[name])
+    full = list(run.run(Position()))
+    for k in range(0, len(full) - 1, 7):
+        assert_same(list(run.run(full[k].after)), full[k + 1 :])
+    assert list(run.run(full[-1].after)) == []  # the run is complete
+
+
+def test_an_endless_run_flows_through_one_chain(small_slaf, monkeypatch):
+    run = make_run(open_dataset(small_slaf), SAMPLERS["chunk"], n_epochs=None)
+    built = count_chains(monkeypatch)
+    deliveries = run.run(Position())
+    got = [next(deliveries) for _ in range(4 * 30 + 3)]  # 300 cells, 30 batches per epoch
+    deliveries.close()
+    assert len(built) == 1
+    assert [d.after for d in got if d.after.cells == 0] == [Position(e) for e in (1, 2, 3, 4)]
+
+
+def test_the_next_epoch_is_read_before_this_one_ends(small_slaf, monkeypatch):
+    events: list[str] = []
+    read = slafload.pipeline.reader.Reader.read
+
+    def recording(self, fetch, **kw):
+        events.append("read")
+        yield from read(self, fetch, **kw)
+
+    monkeypatch.setattr(slafload.pipeline.reader.Reader, "read", recording)
+    ds, sampler = open_dataset(small_slaf), ChunkShuffle(chunk_cells=100)
+    for delivery in make_run(ds, sampler, n_epochs=1).run(Position()):
+        events.append(f"batch {delivery.after}")
+    alone = events.count("read")  # the reads epoch 0 needs (3 fetches, the first split)
+    assert alone >= 3
+    events.clear()
+    for delivery in make_run(ds, sampler, n_epochs=2).run(Position()):
+        events.append(f"batch {delivery.after}")
+    last_of_epoch_0 = events.index(f"batch {Position(1)}")
+    assert events[:last_of_epoch_0].count("read") > alone
+
+
+class EpochTag:
+    """An epoch-aware transform: records which epoch's binding saw which cells."""
+
+    def __init__(self, seen: list, epoch: int | None = None):
+        self.seen, self.epoch = seen, epoch
+
+    def for_epoch(self, epoch: int) -> EpochTag:
+        return EpochTag(self.seen, epoch)
+
+    def __call__(self, chunk: Chunk) -> Chunk:
+        self.seen.append((self.epoch, chunk.cell_ids.copy()))
+        return chunk
+
+
+def test_an_epoch_aware_chain_is_rebuilt_for_every_epoch(small_slaf, monkeypatch):
+    seen: list = []
+    run = make_run(open_dataset(small_slaf), SAMPLERS["chunk"], transforms=[EpochTag(seen)])
+    built = count_chains(monkeypatch)
+    got = list(run.run(Position()))
+    assert len(built) == 3
+    assert sorted({epoch for epoch, _ in seen}) == [0, 1, 2]
+    for epoch in range(3):
+        tagged = np.concatenate([cells for e, cells in seen if e == epoch])
+        delivered = np.concatenate(
+            [d.batch["cell_integer_id"].numpy() for d in got if _epoch_of(d, got) == epoch]
+        )
+        np.testing.assert_array_equal(np.sort(tagged), np.sort(delivered))
+
+
+def test_a_mixture_transform_without_epoch_aware_parts_keeps_the_chain():
+    plain = PerSource(np.array([0, 10]), ((),))
+    assert plain.for_epoch(3) is plain
+    aware = PerSource(np.array([0, 10]), ((EpochTag([]),),))
+    assert aware.for_epoch(3).transforms[0][0].epoch == 3
+
+
+@pytest.mark.parametrize(
+    ("n_epochs", "error"),
+    [(2, "the stages lost or duplicated cells"), (1, "epoch 0 ended 1 cells short")],
+)
+def test_a_chain_that_loses_cells_fails_loudly(small_slaf, monkeypatch, n_epochs, error):
+    cells = RankShare.cells  # plan one cell more per epoch than the parts deliver
+    monkeypatch.setattr(RankShare, "cells", lambda self, *a: cells(self, *a) + 1)
+    run = make_run(open_dataset(small_slaf), SAMPLERS["chunk"], n_epochs=n_epochs)
+    with pytest.raises(LoaderError, match=error):
+        list(run.run(Position()))
+
+
+def rows(n: int, start: int = 0) -> dict[str, np.ndarray]:
+    return {"cell_integer_id": np.arange(start, start + n)}
+
+
+@pytest.mark.parametrize(("drop_last", "sizes"), [(False, [4, 1, 4, 3]), (True, [4, 4])])
+def test_batches_end_every_epoch_where_its_rows_end(drop_last, sizes):
+    pieces = iter([rows(3), rows(2, 3), rows(6, 5), rows(1, 11)])  # epochs of 5, 0 and 7 rows
+    out = list(Batches(pieces, 4, drop_last=drop_last, epochs=iter([5, 0, 7])))
+    assert [len(b["cell_integer_id"]) for b in out] == sizes
+    ids = np.concatenate([b["cell_integer_id"] for b in out])
+    want = list(range(12))
+    assert ids.tolist() == (want if not drop_last else [0, 1, 2, 3, 5, 6, 7, 8])
+
+
+def test_batches_pass_over_an_empty_piece_at_an_epoch_end():
+    pieces = iter([rows(5), rows(0, 5), rows(2, 5), rows(0, 7)])
+    out = list(Batches(pieces, 4, epochs=iter([5, 2])))
+    assert [b["cell_integer_id"].tolist() for b in out] == [[0, 1, 2, 3], [4], [5, 6]]
+
+
+def test_batches_refuse_a_piece_that_crosses_an_epoch_or_comes_after_the_last():
+    with pytest.raises(LoaderError, match="a piece of 3 rows arrived with 2 rows left"):
+        list(Batches(iter([rows(3), rows(3)]), 4, epochs=iter([5, 7])))
+    with pytest.raises(LoaderError, match="2 rows arrived after the last planned epoch"):
+        list(Batches(iter([rows(3), rows(2)]), 4, epochs=iter([3])))
