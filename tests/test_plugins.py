@@ -93,11 +93,3 @@ def test_the_example_plugin_is_found_by_name_and_tokenizes_a_real_loader_run(tmp
 def test_an_unknown_tokenizer_name_lists_what_is_available():
     with pytest.raises(ValueError, match="unknown tokenizer 'nope'.*geneformer"):
         make_tokenizer("nope")
-
-
-def test_a_plugin_written_for_0_1_imports_ranked_chunk_from_the_old_path_with_a_warning():
-    import slafload.types
-
-    with pytest.warns(DeprecationWarning, match="slafload.rank.RankedChunk has moved"):
-        from slafload.rank import RankedChunk
-    assert RankedChunk is slafload.types.RankedChunk
