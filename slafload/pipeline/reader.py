@@ -32,7 +32,7 @@ import logging
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import pyarrow as pa
@@ -41,12 +41,14 @@ from slafload._lance._compat import take_scan
 from slafload._lance.data_files import DataFiles, direct_by_default, is_remote
 from slafload._lance.fragments import version_error
 from slafload._validate import check_int
-from slafload.data.dataset import SlafDataset
 from slafload.errors import ReaderFallbackWarning, ReadError, SlafloadError
 from slafload.kernels import NUMPY, Kernels, prepare_reads
 from slafload.pipeline.buffers import BytePool
 from slafload.pipeline.ranges import coalesce, describe, expand_ranges, span_ends
 from slafload.types import Fetch
+
+if TYPE_CHECKING:  # the dataset makes its readers (SlafDataset.reader)
+    from slafload.data.dataset import SlafDataset
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
