@@ -27,14 +27,14 @@ from slafload.pipeline.batcher import Batches, ToTorch
 from slafload.pipeline.buffers import BytePool
 from slafload.pipeline.chunk import Assemble, Shuffle, Split, Transform
 from slafload.pipeline.first_read import split_first
-from slafload.pipeline.layout import LayOut, TokenStage, make_token_stage
+from slafload.pipeline.layout import LayOut, TokenStage
 from slafload.pipeline.partition import Part
 from slafload.pipeline.ranges import RangeSet
 from slafload.pipeline.ranking import RankGenes
 from slafload.pipeline.read import Read, RetryingReader
 from slafload.pipeline.reader import COLUMNS, ReadOptions
 from slafload.pipeline.stage import Stage
-from slafload.pipeline.tokenize import Tokenize
+from slafload.pipeline.tokenize import Tokenize, make_token_stage
 from slafload.types import Batch, ChunkTransform, Tokenizer
 
 if TYPE_CHECKING:

@@ -37,7 +37,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from slafload.config import LoaderConfig
 from slafload.errors import LayoutError
 from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline.buffers import RowBuffers, fresh
@@ -265,24 +264,6 @@ class HostTokens:
 def _narrow(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Token rows (2-D ``int64``) in ``dtype``; per-cell arrays unchanged."""
     return array.astype(dtype) if array.ndim == 2 and array.dtype == np.int64 else array
-
-
-def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernels) -> TokenStage:
-    """The token stage ``config.tokenize_on`` and ``config.layout`` ask for, its per-cell
-    loops run through ``kernels`` (whose owner closes them).
-    """
-    layout = make_layout(config.layout, config.token_dtype)
-    _check_value_tokens(tokenizer, layout.token_dtype)
-    if config.tokenize_on == "device":
-        from slafload.pipeline.device_tokenize import DeviceTokens
-
-        return DeviceTokens(tokenizer, layout)
-    return HostTokens(
-        tokenizer,
-        layout,
-        RowBuffers(rows=config.piece_cells),
-        kernels,
-    )
 
 
 def _check_value_tokens(tokenizer: Tokenizer, dtype: np.dtype) -> None:

@@ -3,7 +3,9 @@
 The token stage (:mod:`slafload.pipeline.layout`: the tokenizer, a :class:`~slafload.types.Tokenizer`
 from :mod:`slafload.tokenizers`, in the loader's layout and placement) turns a whole piece
 into row-aligned arrays in one vectorized pass; this stage adds ``cell_integer_id`` and the
-requested obs columns as ``int64`` codes, row for row.
+requested obs columns as ``int64`` codes, row for row. :func:`make_token_stage` picks the
+token stage the loader's config asks for: on the host, or on the training device
+(:mod:`slafload.pipeline.device_tokenize`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from slafload.pipeline.layout import TokenStage
+from slafload.config import LoaderConfig
+from slafload.kernels import Kernels
+from slafload.pipeline.buffers import RowBuffers
+from slafload.pipeline.layout import HostTokens, TokenStage, make_layout
 from slafload.pipeline.stage import Stage
-from slafload.types import Arrays
+from slafload.types import Arrays, Tokenizer
 
 
 class Tokenize(Stage[Arrays]):
@@ -47,3 +52,21 @@ class Tokenize(Stage[Arrays]):
         for name, codes in self.obs.items():
             arrays[name] = codes[cells]
         return arrays
+
+
+def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernels) -> TokenStage:
+    """The token stage ``config.tokenize_on`` and ``config.layout`` ask for, its per-cell
+    loops run through ``kernels`` (whose owner closes them).
+    """
+    layout = make_layout(config.layout, config.token_dtype)
+    _check_value_tokens(tokenizer, layout.token_dtype)
+    if config.tokenize_on == "device":
+        from slafload.pipeline.device_tokenize import DeviceTokens
+
+        return DeviceTokens(tokenizer, layout)
+    return HostTokens(
+        tokenizer,
+        layout,
+        RowBuffers(rows=config.piece_cells),
+        kernels,
+    )

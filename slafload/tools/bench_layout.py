@@ -31,9 +31,9 @@ from slafload.config import LoaderConfig
 from slafload.kernels import Kernels
 from slafload.pipeline.batcher import Batcher
 from slafload.pipeline.chunk import assemble, shuffle
-from slafload.pipeline.layout import make_token_stage
 from slafload.pipeline.ranking import rank
 from slafload.pipeline.reader import Reader
+from slafload.pipeline.tokenize import make_token_stage
 from slafload.tokenizers import make_tokenizer
 from slafload.types import RankedChunk
 
