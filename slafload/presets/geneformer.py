@@ -42,7 +42,7 @@ import numpy as np
 from slafload.data.dataset import SlafDataset
 from slafload.data.value_kind import warn_unless_counts
 from slafload.errors import SchemaError, VocabularyError
-from slafload.presets import (
+from slafload.presets.base import (
     DEFAULT_SAMPLE_CELLS,
     DEFAULT_WARN_BELOW,
     Preset,
