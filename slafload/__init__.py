@@ -1,15 +1,26 @@
 """slafload: stream single-cell expression from SLAF datasets to GPU-ready token batches.
 
-The package reads like the pipeline, one module per stage (the chain is built in
-:mod:`slafload.pipeline.chain`, epochs and resume live in :mod:`slafload.pipeline.epochs`)::
+The package is laid out by role (``docs/pipeline.md`` follows one batch through twelve
+modules, from ``Loader(...)`` to the training loop)::
 
-    dataset -> samplers -> partition -> read (reader) -> chunk -> ranking -> tokenize
-            -> batcher (layout) -> prefetcher -> loader
-
-Contracts between stages are in :mod:`slafload.types`. Add-ons plug in at two points:
-:mod:`slafload.transforms` (chunk transforms, before ranking) and :mod:`slafload.tokenizers`
-(after ranking; published models' presets in :mod:`slafload.presets`). Offline tools
-(conversion, synthetic atlases, benchmarks, the CLI) live apart in :mod:`slafload.tools`.
+    loader.py       Loader: the front end a training loop iterates; knows epochs and resume
+    torch_data.py   SlafIterableDataset: the face for code built around DataLoader
+    config.py       LoaderConfig, RetryPolicy
+    errors.py       every exception class
+    types.py        the contracts between stages (Fetch, Plan, Chunk, RankedChunk, Batch...)
+    kernels.py      compiled (numba) per-cell loops, numpy otherwise; warm_up()
+    distributed.py  rank and world size, found without communication
+    data/           open and validate a dataset (dataset), its cell offsets, mixtures
+    samplers/       which cells in which order: a plan of fetches per epoch
+    pipeline/       the producer's stages, built in order by pipeline.chain:
+                    partition -> read (reader) -> chunk -> ranking -> tokenize
+                    -> batcher (layout) -> prefetcher; pipeline.epochs plans runs and positions
+    transforms/     chunk transforms, before ranking (vocabularies, normalisation)
+    tokenizers/     the built-in tokenizers and the plugin protocol, after ranking
+    presets/        published models' own tokens (Geneformer, scGPT)
+    _lance/         private: Lance data files read without Lance's decoder
+    tools/          offline: conversion, synthetic atlases, benchmarks, the CLI
+    diversity.py, synthetic.py   public faces of tools.diversity and tools.synthetic
 """
 
 from typing import TYPE_CHECKING, Any
