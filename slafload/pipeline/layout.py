@@ -266,7 +266,7 @@ def _narrow(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return array.astype(dtype) if array.ndim == 2 and array.dtype == np.int64 else array
 
 
-def _check_value_tokens(tokenizer: Tokenizer, dtype: np.dtype) -> None:
+def check_value_tokens(tokenizer: Tokenizer, dtype: np.dtype) -> None:
     """Refuse an scGPT value offset whose tokens ``dtype`` cannot hold (they would wrap)."""
     if not isinstance(tokenizer, ScGPT):
         return

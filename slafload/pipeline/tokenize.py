@@ -18,7 +18,7 @@ import numpy as np
 from slafload.config import LoaderConfig
 from slafload.kernels import Kernels
 from slafload.pipeline.buffers import RowBuffers
-from slafload.pipeline.layout import HostTokens, TokenStage, make_layout
+from slafload.pipeline.layout import HostTokens, TokenStage, check_value_tokens, make_layout
 from slafload.pipeline.stage import Stage
 from slafload.types import Arrays, Tokenizer
 
@@ -59,7 +59,7 @@ def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernel
     loops run through ``kernels`` (whose owner closes them).
     """
     layout = make_layout(config.layout, config.token_dtype)
-    _check_value_tokens(tokenizer, layout.token_dtype)
+    check_value_tokens(tokenizer, layout.token_dtype)
     if config.tokenize_on == "device":
         from slafload.pipeline.device_tokenize import DeviceTokens
 
