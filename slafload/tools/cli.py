@@ -30,7 +30,14 @@ _EPILOG = """examples:
   slafload synth toy.slaf --cells 10000 --genes 2000 --plates 14
   slafload tune atlas.slaf --label cell_type --budget-s 60  # pick BlockShuffle's (b, f)
   slafload bench --cells 20000 --no-peers                   # see slafload bench --help
+  slafload warm-up                                          # compile kernels (containers)
 """
+
+
+_WARM_UP = """Compile every kernel into numba's on-disk cache (for container builds). The read
+kernels, then the token kernels by short loader runs on tiny synthetic atlases, so the first run
+on this machine does not compile. numba keys the cache by CPU model; NUMBA_CACHE_DIR picks where
+it goes."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -140,6 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     _add_tune(sub)
+    w = sub.add_parser("warm-up", help=_WARM_UP.split(".")[0].lower(), description=_WARM_UP)
+    w.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     sub.add_parser(
         "bench",
         help="throughput benchmark against the raw Lance floor and slafdb",
@@ -189,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "optimize": _optimize,
             "synth": _synth,
             "tune": _tune,
+            "warm-up": _warm_up,
         }
         return commands[args.command](args)
     except _USER_ERRORS as exc:
@@ -306,6 +316,18 @@ def _range(ds: Any) -> str:
 
     recorded = value_range(ds)
     return "not recorded" if recorded is None else f"[{recorded[0]:g}, {recorded[1]:g}]"
+
+
+def _warm_up(args: argparse.Namespace) -> int:
+    from slafload.tools.warm_up import fill_cache
+
+    try:
+        runs = fill_cache(progress=not args.no_progress)
+    except ImportError as exc:
+        print(f"slafload warm-up: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"numba's cache holds the read kernels and the token kernels of {runs} loader runs")
+    return 0
 
 
 def _describe(column: pl.Series) -> str:
