@@ -19,6 +19,7 @@ from slafload.config import LoaderConfig, RetryPolicy
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.errors import (
     ConfigError,
+    CorruptDataError,
     DatasetError,
     DatasetNotFoundError,
     InconsistentDataError,
@@ -58,6 +59,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ConfigError",
+    "CorruptDataError",
     "DatasetError",
     "DatasetNotFoundError",
     "Geneformer",

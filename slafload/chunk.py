@@ -100,7 +100,8 @@ def _check_cells(
     raise InconsistentDataError(
         f"{where}: row {bad} of the chunk belongs to cell {row_cells[bad]} but "
         f"cell_start_index places it in cell {expected}. Expression rows must be "
-        "sorted by cell_integer_id and agree with cells.cell_start_index."
+        "sorted by cell_integer_id and agree with cells.cell_start_index; if the dataset "
+        "loaded before, a data file is damaged: `slafload verify` names it."
     )
 
 
@@ -236,8 +237,9 @@ def _check_gene_range(
     cell = cell_ids[np.searchsorted(indptr, row, side="right") - 1]
     raise InconsistentDataError(
         f"{where}: column 'gene_integer_id' holds gene {genes[row]} in cell {cell}, but "
-        f"genes.lance has only {n_genes} genes (ids 0..{n_genes - 1}). Add the missing "
-        "genes to genes.lance or renumber gene_integer_id when writing the dataset."
+        f"genes.lance has only {n_genes} genes (ids 0..{n_genes - 1}). If the dataset "
+        "loaded before, a data file is damaged: `slafload verify` names it. Otherwise add the "
+        "missing genes to genes.lance or renumber gene_integer_id when writing the dataset."
     )
 
 

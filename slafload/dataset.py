@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.types as pat
 
+from slafload import integrity
 from slafload.errors import (
     ConfigError,
     DatasetError,
@@ -539,11 +540,15 @@ def _spot_check_expression(
     rows = np.unique(np.concatenate([cell_start[cells], cell_start[cells + 1] - 1]))
     try:
         got = _rows_of(expression, rows)
-    except Exception as exc:  # Lance reports a damaged data file as a plain OSError
+    except BaseException as exc:  # Lance: a plain OSError, or a Rust panic (BaseException)
+        if not isinstance(exc, Exception) and not integrity.is_panic(exc):
+            raise
+        integrity.raise_if_corrupt("expression", expression, np.stack([rows, rows + 1], 1), exc)
         raise MissingTableError(
-            f"expression.lance in {uri!r}: reading column 'cell_integer_id' failed, so a data "
-            f"file under expression.lance/data/ is truncated, corrupt or unreadable ({exc}). "
-            "Check its permissions, or restore the dataset from a copy or rewrite it."
+            f"expression.lance in {uri!r}: reading column 'cell_integer_id' failed "
+            f"({integrity.message(exc)}), so a data file under expression.lance/data/ is "
+            "missing or unreadable. Check its permissions (or credentials), or restore the "
+            "dataset from a copy; `slafload verify` checks every file."
         ) from exc
     want = cell_start.searchsorted(rows, side="right") - 1
     if not np.array_equal(got.astype(np.int64), want):

@@ -44,6 +44,7 @@ from slafload.data_files import DataFiles, direct_by_default, is_remote
 from slafload.dataset import SlafDataset
 from slafload.errors import ReaderFallbackWarning, ReadError, SlafloadError
 from slafload.fragments import version_error
+from slafload.integrity import is_panic, raise_if_corrupt
 from slafload.kernels import NUMPY, Kernels, prepare_reads
 from slafload.ranges import coalesce, describe, expand_ranges, span_ends
 from slafload.types import Fetch
@@ -173,8 +174,9 @@ class Reader:
             skew = version_error(self.dataset.uri, exc, {"expression": self.dataset.expression})
             if skew is not None:
                 raise skew from exc
-            if not isinstance(exc, Exception):
+            if not isinstance(exc, Exception) and not is_panic(exc):
                 raise
+            raise_if_corrupt("expression", self.dataset.expression, rows, exc)
             raise ReadError(
                 f"Reading {fetch!r} (expression rows {describe(rows)}) from "
                 f"{self.dataset.uri!r} failed: {type(exc).__name__}: {exc}"
