@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from slafload import budget
+from slafload import budget, integrity
 from slafload.buffers import gather_runs, scratch
 from slafload.dataset import SlafDataset
 from slafload.errors import InconsistentDataError
@@ -276,8 +277,11 @@ class Assemble(Stage[tuple[Part, Chunk]]):
         while True:
             group = next(self.source)
             fetch, again = group.fetch, not group.cell_ids
-            chunks.append(assemble(fetch, group.batches, ds.cell_start, uri=ds.uri,
-                                   n_genes=ds.n_genes, checked=again))  # fmt: skip
+            try:
+                chunks.append(assemble(fetch, group.batches, ds.cell_start, uri=ds.uri,
+                                       n_genes=ds.n_genes, checked=again))  # fmt: skip
+            except InconsistentDataError as exc:
+                raise _naming_files(exc, ds, fetch) from exc
             if self.checked is not None and not again and len(fetch.ranges) == 1:
                 self.checked.add(*fetch.ranges[0].tolist())
             if group.last:
@@ -285,6 +289,15 @@ class Assemble(Stage[tuple[Part, Chunk]]):
             del group
         part = group.part
         return part, chunks[0] if len(chunks) == 1 else budget.concat(part.fetch.index, chunks)
+
+
+def _naming_files(exc: InconsistentDataError, ds: Any, fetch: Fetch) -> InconsistentDataError:
+    """``exc`` with the data files of ``fetch``'s rows named (damage shows up this way too)."""
+    table = getattr(ds, "expression", None)
+    if table is None:  # a mixture's source: its own message names it
+        return exc
+    files = integrity.describe(integrity.holding(table, ds.cell_start[fetch.ranges]))
+    return InconsistentDataError(f"{exc} The fetch's rows are in {files}.")
 
 
 class Shuffle(Stage[tuple[Part, Chunk]]):

@@ -101,7 +101,7 @@ def corruption(
     """
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
     a, b = int(rows[:, 0].min()), int(rows[:, 1].max())
-    hit = [p for _, files in pieces(table) for p in files if _overlaps(p, rows)]
+    hit = holding(table, rows)
     for piece in hit:
         problem = footer_problem(piece.path)
         if problem is not None:
@@ -112,19 +112,30 @@ def corruption(
             )
     if not is_panic(exc):
         return None
-    files = ", ".join(f"{p.path} ({p.rows()})" for p in hit[:_LISTED]) or "no data file"
-    if len(hit) > _LISTED:
-        files += f" or one of {len(hit) - _LISTED} more data files"
     return CorruptDataError(
         f"{table_name}.lance: reading rows {a:,}-{b - 1:,} crashed Lance's decoder "
-        f"({message(exc)}): a page of {files} is damaged. Run `slafload verify` on the "
+        f"({message(exc)}): a page of {describe(hit)} is damaged. Run `slafload verify` on the "
         "dataset to find every damaged file, then restore them from a copy or rewrite it."
     )
 
 
-def _overlaps(piece: Piece, rows: np.ndarray) -> bool:
-    """Whether any of the row ranges ``rows`` overlaps ``piece``'s rows."""
-    return bool(np.any((rows[:, 0] < piece.stop) & (rows[:, 1] > piece.start)))
+def holding(table: lance.LanceDataset, rows: np.ndarray) -> list[Piece]:
+    """The data files of ``table`` that hold any of the row ranges ``rows`` (``int64[k, 2]``)."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
+    return [
+        p
+        for _, files in pieces(table)
+        for p in files
+        if np.any((rows[:, 0] < p.stop) & (rows[:, 1] > p.start))
+    ]
+
+
+def describe(files: list[Piece]) -> str:
+    """``files`` (at most a few) with their rows, for a message."""
+    text = ", ".join(f"{p.path} ({p.rows()})" for p in files[:_LISTED]) or "no data file"
+    if len(files) > _LISTED:
+        text += f" or one of {len(files) - _LISTED} more data files"
+    return text
 
 
 def raise_if_corrupt(

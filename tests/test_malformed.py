@@ -266,14 +266,14 @@ CATALOG = {
         truncated_data_file,
         "open",
         CorruptDataError,
-        r"expression\.lance: data file .*expression\.lance/data/.*\.lance \(rows 0-\d+\) is "
+        r"expression\.lance: data file .*expression\.lance/data/.*\.lance \(rows \d+-\d+\) is "
         r"truncated or overwritten.*Restore the file from a copy.*slafload verify",
     ),
     "corrupted data file": Case(
         corrupted_data_file,
         "open",
         CorruptDataError,
-        r"expression\.lance: data file .*expression\.lance/data/.*\.lance \(rows 0-\d+\) is "
+        r"expression\.lance: data file .*expression\.lance/data/.*\.lance \(rows \d+-\d+\) is "
         r"truncated or overwritten.*Restore the file from a copy.*slafload verify",
     ),
     "config n_cells disagrees": Case(

@@ -123,3 +123,12 @@ def test_info_says_it_did_not_verify_the_data(atlas, capsys):
 def test_verify_of_a_path_that_is_no_dataset_is_a_dataset_error(tmp_path):
     with pytest.raises(DatasetError):
         verify(tmp_path / "nothing.slaf")
+
+
+def test_flipped_bytes_stop_the_loader_with_an_error_naming_the_file_and_verify(atlas, tmp_path):
+    copy, bad = damaged(atlas, tmp_path, "flip")
+    loader = slafload.Loader(copy, batch_size=64, max_genes=32, n_epochs=1, seed=0)
+    with loader, pytest.raises(DatasetError) as caught:
+        for _ in loader:
+            pass
+    assert bad.name in str(caught.value) and "slafload verify" in str(caught.value)
