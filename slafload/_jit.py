@@ -98,6 +98,7 @@ def compile_outside(keys: list[tuple], stop: threading.Event) -> None:
     Raises:
         Abandoned: ``stop`` was set first (the child is killed and reaped).
         RuntimeError: the child failed; the message holds the end of its stderr.
+        OSError: no child could be started (no ``sys.executable`` in an embedded Python).
     """
     numba_config = sys.modules["numba"].config
     env = dict(os.environ)
@@ -113,6 +114,7 @@ def compile_outside(keys: list[tuple], stop: threading.Event) -> None:
             stdout=subprocess.DEVNULL,
             stderr=err,
             env=env,
+            cwd=root,  # ``-m`` puts the working directory first on sys.path
         )
         try:
             assert child.stdin is not None

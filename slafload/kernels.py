@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.util
+import logging
 import sys
 import threading
 import warnings
@@ -43,6 +44,8 @@ from typing import Any
 import numpy as np
 
 from slafload import _jit, footer
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "numba", "numpy")
 _IMPORT = ("import",)  # the compile thread's first job: importing numba
@@ -280,7 +283,10 @@ def _build(key: tuple, outside: bool = False, stop: Any = None) -> Any:
     dispatcher = _dispatcher(key[0])
     cached = _jit.cache_path(dispatcher) is not None
     if outside and cached and not _jit.is_cached(dispatcher, key[1:]):
-        _jit.compile_outside([key], stop)
+        try:
+            _jit.compile_outside([key], stop)
+        except OSError as exc:  # no child process here: compile in this one
+            logger.info("compiling %s in this process: %s", key[0], exc)
     return _compile(key, dispatcher)
 
 
