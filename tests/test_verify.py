@@ -31,17 +31,17 @@ def atlas(tmp_path_factory) -> Path:
     return path
 
 
-def data_files(path: Path) -> list[Path]:
-    table = slafload.open_dataset(path).expression
+def data_files(path: Path, table_name: str = "expression") -> list[Path]:
+    table = getattr(slafload.open_dataset(path), table_name)
     return [
         Path(table.uri) / "data" / d.path for f in table.get_fragments() for d in f.data_files()
     ]
 
 
-def damaged(atlas: Path, tmp_path: Path, how: str) -> tuple[Path, Path]:
-    """A copy of ``atlas`` with its first expression data file damaged ``how``."""
+def damaged(atlas: Path, tmp_path: Path, how: str, table: str = "expression") -> tuple[Path, Path]:
+    """A copy of ``atlas`` with the first data file of ``table`` damaged ``how``."""
     copy = tmp_path / f"{how}.slaf"
-    target = data_files(atlas)[0]
+    target = data_files(atlas, table)[0]
     shutil.copytree(atlas, copy)
     path = copy / target.relative_to(atlas)
     size = path.stat().st_size
@@ -132,3 +132,9 @@ def test_flipped_bytes_stop_the_loader_with_an_error_naming_the_file_and_verify(
         for _ in loader:
             pass
     assert bad.name in str(caught.value) and "slafload verify" in str(caught.value)
+
+
+def test_a_damaged_cells_table_is_named_once_and_hides_nothing_else(atlas, tmp_path):
+    copy, bad = damaged(atlas, tmp_path, "truncate", table="cells")
+    problems = verify(copy)
+    assert [p.where for p in problems] == [str(bad)], problems

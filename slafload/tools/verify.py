@@ -63,8 +63,11 @@ def verify(uri: str | os.PathLike[str], *, progress: bool = False) -> list[Probl
     bar = progress_bar(progress, total, "verify", unit="row")
     try:
         state = _State(n_genes=tables["genes"].count_rows())
-        for name, check in (("genes", state.check_genes), ("cells", state.check_cells)):
-            problems += _scan(name, tables[name], check, bar)
+        problems += _scan("genes", tables["genes"], state.check_genes, bar)
+        cell_problems = _scan("cells", tables["cells"], state.check_cells, bar)
+        if cell_problems:  # the expression rows' cells are then checked as ascending only
+            state.starts, state.n_cells = None, tables["cells"].count_rows()
+        problems += cell_problems
         state.finish_cells(tables["expression"].count_rows(), problems)
         problems += _scan("expression", tables["expression"], state.check_expression, bar)
     finally:
@@ -102,12 +105,12 @@ def _scan_fragment(
     """Read ``fragment`` batch by batch, checking each: the rows read, and whether it was
     read to its end (a failed read is reported).
     """
-    at = piece.start
+    at, found = piece.start, []
     try:
         for batch in fragment.to_batches(batch_size=BATCH_ROWS):
             problem = check(batch, at)
             if problem is not None:
-                problems.append(Problem(piece.path, problem))
+                found.append(problem)
             at += batch.num_rows
             if bar is not None:
                 bar.update(batch.num_rows)
@@ -118,6 +121,10 @@ def _scan_fragment(
         why = f"rows {at:,}-{piece.stop - 1:,} {what} ({integrity.message(exc)})"
         problems.append(Problem(piece.path, why))
         return at - piece.start, False
+    finally:  # one line a file: its first problem, and how many more batches had one
+        if found:
+            more = f" (and problems in {len(found) - 1} more batches)" if len(found) > 1 else ""
+            problems.append(Problem(piece.path, found[0] + more))
     return at - piece.start, True
 
 
@@ -127,19 +134,38 @@ class _State:
     def __init__(self, n_genes: int):
         self.n_genes = n_genes
         self.n_cells = 0
-        self.starts: list[np.ndarray] = []
-        self.cell_start = np.zeros(1, np.int64)
+        self.seen_genes = np.zeros(n_genes, bool)
+        self.starts: list[np.ndarray] | None = []  # None: no cell_start_index column
+        self.cell_start: np.ndarray | None = None
         self.last_cell = -1
 
     def check_genes(self, batch: pa.RecordBatch, start: int) -> str | None:
-        return _ids(batch, "gene_integer_id", start)
+        """Gene ids in range and each once (genes.lance need not list them in id order)."""
+        if "gene_integer_id" not in batch.schema.names:
+            return None
+        ids = _column(batch, "gene_integer_id").astype(np.int64)
+        bad = (ids < 0) | (ids >= self.n_genes)
+        bad[~bad] = self.seen_genes[ids[~bad]]
+        self.seen_genes[ids[~bad]] = True
+        if not bad.any():
+            return None
+        i = int(np.flatnonzero(bad)[0])
+        return (
+            f"gene_integer_id {ids[i]} at row {start + i:,} is out of range or repeated "
+            f"(genes: {self.n_genes:,}; {int(bad.sum()):,} rows)"
+        )
 
     def check_cells(self, batch: pa.RecordBatch, start: int) -> str | None:
-        self.starts.append(_column(batch, "cell_start_index"))
+        if self.starts is not None and "cell_start_index" in batch.schema.names:
+            self.starts.append(_column(batch, "cell_start_index"))
+        else:
+            self.starts = None
         self.n_cells += batch.num_rows
         return _ids(batch, "cell_integer_id", start)
 
     def finish_cells(self, n_rows: int, problems: list[Problem]) -> None:
+        if self.starts is None:  # placement is checked as ascending cell ids instead
+            return
         starts = np.concatenate([*self.starts, [n_rows]]).astype(np.int64)
         bad = np.flatnonzero(np.diff(starts) < 0)
         if starts[0] != 0 or len(bad):
@@ -159,10 +185,7 @@ class _State:
         cells = _column(batch, "cell_integer_id").astype(np.int64)
         genes = _column(batch, "gene_integer_id").astype(np.int64)
         values = _column(batch, "value")
-        n = len(self.cell_start) - 1
-        where = np.clip(cells, 0, max(n - 1, 0))
-        misplaced = (cells < 0) | (cells >= n) | (self.cell_start[where] > rows)
-        misplaced |= self.cell_start[np.minimum(where + 1, n)] <= rows
+        misplaced = self._misplaced(cells, rows)
         checks = (
             (misplaced, "cell_integer_id {v} is not the cell cell_start_index places row {r} in",
              cells),
@@ -180,6 +203,20 @@ class _State:
                     text.format(v=column[i], r=f"{start + i:,}") + f" ({len(hits):,} rows)"
                 )
         return "; ".join(found) or None
+
+    def _misplaced(self, cells: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Rows whose cell id is not the cell ``cell_start_index`` places them in (without
+        it: cell ids out of range or descending).
+        """
+        n = self.n_cells
+        bad = (cells < 0) | (cells >= n)
+        if self.cell_start is None:
+            bad |= np.diff(cells, prepend=self.last_cell) < 0
+            self.last_cell = int(cells[-1]) if len(cells) else self.last_cell
+            return bad
+        where = np.clip(cells, 0, max(n - 1, 0))
+        bad |= self.cell_start[where] > rows
+        return bad | (self.cell_start[np.minimum(where + 1, n)] <= rows)
 
 
 def _ids(batch: pa.RecordBatch, column: str, start: int) -> str | None:
