@@ -100,6 +100,8 @@ def compile_outside(keys: list[tuple], stop: threading.Event) -> None:
         RuntimeError: the child failed; the message holds the end of its stderr.
         OSError: no child could be started (no ``sys.executable`` in an embedded Python).
     """
+    if stop.is_set():
+        raise Abandoned
     numba_config = sys.modules["numba"].config
     env = dict(os.environ)
     if numba_config.CACHE_DIR:
