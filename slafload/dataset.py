@@ -29,6 +29,7 @@ import pyarrow.types as pat
 from slafload import integrity
 from slafload.errors import (
     ConfigError,
+    CorruptDataError,
     DatasetError,
     DatasetNotFoundError,
     InconsistentDataError,
@@ -375,8 +376,9 @@ def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> CellOff
         starts = np.append(_offsets_by_scan(tables["expression"], n_cells), n_rows)
         return CellOffsets.of(starts)  # ascending by construction
     try:
-        return CellOffsets.build(_checked_starts(uri, cells, n_rows), n_cells + 1)
-    except InconsistentDataError:
+        with integrity.naming_damage("cells", cells, np.array([[0, n_cells]])):
+            return CellOffsets.build(_checked_starts(uri, cells, n_rows), n_cells + 1)
+    except (InconsistentDataError, CorruptDataError):
         raise
     except ValueError as exc:  # the table's row count and its batches disagree
         raise InconsistentDataError(
@@ -539,11 +541,11 @@ def _spot_check_expression(
     cells = np.unique(np.array(picked, dtype=np.int64))
     rows = np.unique(np.concatenate([cell_start[cells], cell_start[cells + 1] - 1]))
     try:
-        got = _rows_of(expression, rows)
-    except BaseException as exc:  # Lance: a plain OSError, or a Rust panic (BaseException)
-        if not isinstance(exc, Exception) and not integrity.is_panic(exc):
-            raise
-        integrity.raise_if_corrupt("expression", expression, np.stack([rows, rows + 1], 1), exc)
+        with integrity.naming_damage("expression", expression, np.stack([rows, rows + 1], 1)):
+            got = _rows_of(expression, rows)
+    except CorruptDataError:
+        raise
+    except Exception as exc:  # Lance reports an unreadable data file as a plain OSError
         raise MissingTableError(
             f"expression.lance in {uri!r}: reading column 'cell_integer_id' failed "
             f"({integrity.message(exc)}), so a data file under expression.lance/data/ is "

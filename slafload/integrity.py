@@ -15,6 +15,7 @@ panic's message on stderr before Python sees it; it adds a backtrace only where
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ import lance
 import numpy as np
 
 from slafload._compat import data_file_path
-from slafload.errors import CorruptDataError
+from slafload.errors import CorruptDataError, SlafloadError
 
 FOOTER_BYTES = 40  # Lance file footer: offsets, counts, versions, then b"LANC"
 MAGIC = b"LANC"
@@ -145,3 +146,18 @@ def raise_if_corrupt(
     error = corruption(table_name, table, rows, exc)
     if error is not None:
         raise error from exc
+
+
+@contextlib.contextmanager
+def naming_damage(table_name: str, table: lance.LanceDataset, rows: np.ndarray) -> Iterator[None]:
+    """Turn a failure to read ``table``'s ``rows`` inside the block into a
+    :class:`CorruptDataError` where :func:`corruption` finds damage; re-raise it otherwise.
+    """
+    try:
+        yield
+    except SlafloadError:
+        raise
+    except BaseException as exc:  # a Rust panic in Lance is a BaseException
+        if isinstance(exc, Exception) or is_panic(exc):
+            raise_if_corrupt(table_name, table, rows, exc)
+        raise

@@ -138,3 +138,9 @@ def test_a_damaged_cells_table_is_named_once_and_hides_nothing_else(atlas, tmp_p
     copy, bad = damaged(atlas, tmp_path, "truncate", table="cells")
     problems = verify(copy)
     assert [p.where for p in problems] == [str(bad)], problems
+
+
+def test_a_truncated_cells_table_fails_to_open_naming_its_file(atlas, tmp_path):
+    copy, bad = damaged(atlas, tmp_path, "truncate", table="cells")
+    with pytest.raises(CorruptDataError, match=f"cells\\.lance: data file .*{bad.name}.*truncated"):
+        slafload.open_dataset(copy)
