@@ -210,6 +210,8 @@ def _raise_version_skew(
     """Raise :class:`LanceVersionError` where ``exc`` (or, for an error of ours, its cause)
     is the installed pylance failing on a Lance format another release wrote.
     """
+    if isinstance(exc, CorruptDataError):  # damage shown by the files themselves
+        return
     cause = exc.__cause__ if isinstance(exc, SlafloadError) else exc
     if cause is not None and not isinstance(cause, SlafloadError):
         skew = version_error(uri, cause, tables)

@@ -96,9 +96,11 @@ def corruption(
     table_name: str, table: lance.LanceDataset, rows: np.ndarray, exc: BaseException
 ) -> CorruptDataError | None:
     """The error to raise for a read of ``table``'s row ranges ``rows`` (``int64[k, 2]``)
-    that failed with ``exc``: a :class:`CorruptDataError` naming the damaged file
-    if a data file of those rows fails its footer check or the read panicked, else ``None``
-    (not known to be damage: the caller reports ``exc`` as a read failure).
+    that failed with ``exc``: a :class:`CorruptDataError` naming the damaged file if a data
+    file of those rows fails its footer check, or if the read panicked while another data file
+    of the table in the same Lance format decodes (a panic alone may also be a file written by
+    another pylance release: :func:`slafload.fragments.version_error`); else ``None`` (not
+    known to be damage: the caller reports ``exc`` as a read failure).
     """
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, 2)
     a, b = int(rows[:, 0].min()), int(rows[:, 1].max())
@@ -111,13 +113,41 @@ def corruption(
                 f"Restore the file from a copy or rewrite the dataset; `slafload verify` "
                 f"lists every damaged file."
             )
-    if not is_panic(exc):
+    sound = _decoding_sibling(table, hit) if is_panic(exc) else None
+    if sound is None:
         return None
     return CorruptDataError(
         f"{table_name}.lance: reading rows {a:,}-{b - 1:,} crashed Lance's decoder "
-        f"({message(exc)}): a page of {describe(hit)} is damaged. Run `slafload verify` on the "
-        "dataset to find every damaged file, then restore them from a copy or rewrite it."
+        f"({message(exc)}): a page of {describe(hit)} is damaged (the first row of {sound} "
+        "decodes, so this pylance reads the format). Run `slafload verify` on the dataset to "
+        "find every damaged file, then restore them from a copy or rewrite it."
     )
+
+
+def _decoding_sibling(table: lance.LanceDataset, hit: list[Piece], tries: int = 3) -> str | None:
+    """A data file of ``table`` in a Lance format of ``hit``'s files whose first row decodes
+    (at most ``tries`` tried, ``hit``'s own first): this pylance reads that format as written,
+    so a panic further in is damage. ``None`` if none does.
+    """
+    paths = {p.path for p in hit}
+    formats: set[tuple[int, int]] = set()
+    candidates: list[tuple[Any, str, set[tuple[int, int]]]] = []
+    for fragment, files in pieces(table):
+        kinds = {(f.file_major_version, f.file_minor_version) for f in fragment.metadata.files}
+        if files and any(p.path in paths for p in files):
+            formats |= kinds
+            candidates.insert(0, (fragment, files[0].path, kinds))
+        elif files:
+            candidates.append((fragment, files[0].path, kinds))
+    for fragment, path, _ in [c for c in candidates if c[2] & formats][:tries]:
+        try:
+            fragment.head(1)
+        except BaseException as exc:
+            if not isinstance(exc, Exception) and not is_panic(exc):
+                raise
+            continue
+        return path
+    return None
 
 
 def holding(table: lance.LanceDataset, rows: np.ndarray) -> list[Piece]:

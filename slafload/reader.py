@@ -171,12 +171,12 @@ class Reader:
         except (SlafloadError, GeneratorExit, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # BaseException: pylance's panics are
+            if not isinstance(exc, Exception) and not is_panic(exc):
+                raise
+            raise_if_corrupt("expression", self.dataset.expression, rows, exc)  # damage shown
             skew = version_error(self.dataset.uri, exc, {"expression": self.dataset.expression})
             if skew is not None:
                 raise skew from exc
-            if not isinstance(exc, Exception) and not is_panic(exc):
-                raise
-            raise_if_corrupt("expression", self.dataset.expression, rows, exc)
             raise ReadError(
                 f"Reading {fetch!r} (expression rows {describe(rows)}) from "
                 f"{self.dataset.uri!r} failed: {type(exc).__name__}: {exc}"
