@@ -31,6 +31,7 @@ from slafload.data.dataset import SlafDataset, open_dataset
 from slafload.data.mixture import Mixture, Source
 from slafload.errors import (
     ConfigError,
+    CorruptDataError,
     DatasetError,
     DatasetNotFoundError,
     InconsistentDataError,
@@ -69,6 +70,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ConfigError",
+    "CorruptDataError",
     "DatasetError",
     "DatasetNotFoundError",
     "Geneformer",

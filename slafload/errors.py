@@ -27,6 +27,13 @@ class MissingTableError(DatasetError):
     """One of the three Lance tables of the SLAF layout is missing or cannot be opened."""
 
 
+class CorruptDataError(DatasetError):
+    """A data file of a table is damaged (truncated, overwritten or undecodable); the
+    message names the file and its rows. Unlike :class:`MissingTableError`, the file is
+    there: restore it from a copy or rewrite the dataset (``slafload verify`` lists them all).
+    """
+
+
 class SchemaError(DatasetError):
     """A table lacks a required column or a column has the wrong type."""
 

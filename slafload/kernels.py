@@ -13,11 +13,14 @@ the tokens are identical either way (tests compare both on the same data).
 Compiling costs 0.1-2.3 s per kernel and argument types the first time a machine uses it (the
 footer walk, :func:`slafload._lance.footer.walk_many`, ~17 s: :func:`warm_up` ~23 s on 2 cores), and
 a process's first kernel 0.3-0.5 s for numba's start-up once they are in numba's on-disk cache
-(then milliseconds each). A loader's kernels compile on a background thread of their own, and
+(then milliseconds each). A loader's kernels are loaded on a background thread of their own, and
 each call runs the numpy code until its compiled version is ready, so the first batch never
-waits for a compiler; the loader runs slower for that first second, the compiler holding the
-GIL much of it (:func:`warm_up` does that work up front). ``backend="numba"`` waits instead:
-every call is compiled, which tests use. ``LoaderConfig.kernels`` picks the backend;
+waits for a compiler. A kernel missing from numba's cache is compiled into it by a child
+process, which ``close()`` kills (:mod:`slafload._jit`: the loader's own GIL stays free, and
+processes sharing one cache compile each kernel once); the background thread only imports
+numba and loads kernels, for the first second or so of a process (:func:`warm_up` does that
+work up front). ``backend="numba"`` waits instead, compiling in the process: every call is
+compiled, which tests use. ``LoaderConfig.kernels`` picks the backend;
 ``"auto"`` (the default) uses numba when it is installed. numba and LLVM add ~120 MB to the
 process with the kernels loaded from the cache. Compiled in the process instead, they add ~85
 MB more: LLVM frees most of what it used (~160 MB for the footer walk alone), and each compile
@@ -27,8 +30,10 @@ for the life of the process (+223 MB after :func:`warm_up` against a cached star
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
+import logging
 import sys
 import threading
 import warnings
@@ -38,7 +43,10 @@ from typing import Any
 
 import numpy as np
 
+from slafload import _jit
 from slafload._lance import footer
+
+logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "numba", "numpy")
 _IMPORT = ("import",)  # the compile thread's first job: importing numba
@@ -95,6 +103,7 @@ class Kernels:
         self._failed: set[tuple] = set()
         self._lock = threading.Lock()
         self._compiler: ThreadPoolExecutor | None = None
+        self._stop = threading.Event()  # set by close(): the compile thread's jobs stop
 
     def run(self, name: str, *args: Any, start: bool = True) -> bool:
         """Run kernel ``name`` on ``args`` and return ``True``; ``False`` if it did not run
@@ -122,7 +131,7 @@ class Kernels:
         key = (name, *(numba.typeof(a) for a in args))
         kernel = _COMPILED.get(key)
         if kernel is None and start:
-            kernel = self._background(key, _compile, key)
+            kernel = self._background(key, _build, key, self.requested != "numba")
         if kernel is None:
             return False
         _COMPILED[kinds] = kernel
@@ -139,7 +148,7 @@ class Kernels:
         ``backend="numba"``, wait for it (and raise its failure).
         """
         if self.backend != "numpy":
-            self._background((name, "prepared"), _prepare, name, args)
+            self._background((name, "prepared"), _prepare, name, args, self.requested != "numba")
 
     def _background(self, key: tuple, job: Callable[..., Any], *args: Any) -> Any:
         """``job(*args)``'s result once the compile thread has run it (it is started on the
@@ -153,11 +162,16 @@ class Kernels:
             if future is None:
                 if self._compiler is None:
                     self._compiler = ThreadPoolExecutor(1, thread_name_prefix="slafload-jit")
+                    self._stop = threading.Event()
+                if job in (_build, _prepare):
+                    args = (*args, self._stop)
                 future = self._jobs[key] = self._compiler.submit(job, *args)
         if self.requested != "numba" and not future.done():
             return None
         try:
             result = future.result()
+        except _jit.Abandoned:  # the compile thread was closed (a race with close())
+            return None
         except Exception as exc:
             if self.requested == "numba":
                 raise
@@ -173,14 +187,25 @@ class Kernels:
         return result
 
     def close(self) -> None:
-        """End the compile thread (waits for a compile in progress). Idempotent; what was
-        compiled stays usable, and a later call starts a new thread if it needs one.
+        """End the compile thread promptly: a compile in a child process is killed (the
+        thread itself only imports numba and loads kernels from the cache, each quick).
+        Idempotent; what was compiled stays usable, and a later call starts a new thread if
+        it needs one (and compiles again what was abandoned).
         """
         with self._lock:
             compiler, self._compiler = self._compiler, None
-            self._jobs = {k: f for k, f in self._jobs.items() if f.done()}
+            self._stop.set()
         if compiler is not None:
             compiler.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            self._jobs = {k: f for k, f in self._jobs.items() if _finished(f)}
+
+
+def _finished(future: Future[Any]) -> bool:
+    """Whether ``future`` ran to its end (not cancelled, nor abandoned by close())."""
+    if not future.done() or future.cancelled():
+        return False
+    return not isinstance(future.exception(), _jit.Abandoned)
 
 
 NUMPY = Kernels("numpy")
@@ -241,26 +266,59 @@ def _import_numba() -> Any:
     return _COMPILED.setdefault(_IMPORT, numba)
 
 
-def _prepare(name: str, args: tuple) -> Any:
-    """Import numba if need be, then compile kernel ``name`` for the types of ``args``."""
+def _prepare(name: str, args: tuple, outside: bool = False, stop: Any = None) -> Any:
+    """Import numba if need be, then :func:`_build` kernel ``name`` for the types of
+    ``args``.
+    """
     numba = _COMPILED.get(_IMPORT) or _import_numba()
-    return _compile((name, *(numba.typeof(a) for a in args)))
+    return _build((name, *(numba.typeof(a) for a in args)), outside, stop)
 
 
-def _compile(key: tuple) -> Any:
-    """The numba dispatcher of kernel ``key[0]``, compiled for argument types ``key[1:]``
-    (once per process: :data:`_COMPILED`). Compiled rather than loaded from numba's cache, it
-    hands the memory LLVM freed back to the system (see the module docstring).
+def _build(key: tuple, outside: bool = False, stop: Any = None) -> Any:
+    """:func:`_compile` ``key``; with ``outside``, a kernel not in numba's cache is first
+    compiled into it by a child process (:func:`slafload._jit.compile_outside`, abandoned
+    when ``stop`` is set), so this thread only loads it.
+    """
+    if key in _COMPILED:
+        return _COMPILED[key]
+    dispatcher = _dispatcher(key[0])
+    cached = _jit.cache_path(dispatcher) is not None
+    if outside and cached and not _jit.is_cached(dispatcher, key[1:]):
+        try:
+            _jit.compile_outside([key], stop)
+        except OSError as exc:  # no child process here: compile in this one
+            logger.info("compiling %s in this process: %s", key[0], exc)
+    return _compile(key, dispatcher)
+
+
+def _dispatcher(name: str) -> Any:
+    """A new numba dispatcher of kernel ``name``, cached on disk where numba finds a
+    writable place (:mod:`slafload._jit`).
     """
     import numba
 
+    kernel: Any = _KERNELS[name]
+    try:
+        return numba.njit(nogil=True, cache=True)(kernel)
+    except RuntimeError:  # "no locator available": nowhere writable numba knows of
+        pass
+    if _jit.private_cache_dir(numba):
+        with contextlib.suppress(RuntimeError):
+            return numba.njit(nogil=True, cache=True)(kernel)
+    return numba.njit(nogil=True)(kernel)  # compiled in every process
+
+
+def _compile(key: tuple, dispatcher: Any = None) -> Any:
+    """The numba dispatcher of kernel ``key[0]``, compiled (or loaded from numba's cache)
+    for argument types ``key[1:]`` (once per process: :data:`_COMPILED`). Compiled rather
+    than loaded, it hands the memory LLVM freed back to the system (see the module
+    docstring).
+    """
     if key in _COMPILED:
         return _COMPILED[key]
-    try:  # numba's on-disk cache: beside this file, else in the user's cache directory
-        dispatcher = numba.njit(nogil=True, cache=True)(_KERNELS[key[0]])  # type: ignore[type-var]
-    except RuntimeError:  # "no locator available": nowhere writable, so compile every time
-        dispatcher = numba.njit(nogil=True)(_KERNELS[key[0]])  # type: ignore[type-var]
-    dispatcher.compile(key[1:])  # type: ignore[misc]
+    if dispatcher is None:
+        dispatcher = _dispatcher(key[0])
+    dispatcher.compile(key[1:])
     if not dispatcher.stats.cache_hits and _MALLOC_TRIM is not None:  # compiled, not loaded
         _MALLOC_TRIM(0)
     return _COMPILED.setdefault(key, dispatcher)
@@ -641,3 +699,18 @@ _KERNELS = {
     "read_decode": _read_decode,
     "walk_many": footer.walk_many,  # calls footer.walk, written for CPython and numba
 }
+
+
+def compile_child() -> None:
+    """The compile child's entry point (:mod:`slafload._jit`): compile the pickled kernel keys
+    read from stdin into numba's cache, each under the cache directory's lock, so processes
+    sharing one cache compile each kernel once.
+    """
+    import pickle
+
+    keys = pickle.loads(sys.stdin.buffer.read())
+    _import_numba()
+    for key in keys:
+        dispatcher = _dispatcher(key[0])
+        with _jit.locked(_jit.cache_path(dispatcher)):  # compiled meanwhile elsewhere: loaded
+            dispatcher.compile(key[1:])

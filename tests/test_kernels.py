@@ -188,9 +188,9 @@ def test_loader_tokens_are_the_same_with_compiled_kernels(
     compiled = []
     compile_ = slafload.kernels._compile
 
-    def spy(key):
+    def spy(key, *args):
         compiled.append(key[0])
-        return compile_(key)
+        return compile_(key, *args)
 
     monkeypatch.setattr(slafload.kernels, "_compile", spy)
     monkeypatch.setattr(slafload.kernels, "_COMPILED", {})  # as in a new process

@@ -27,6 +27,7 @@ from conftest import random_counts, write_dense
 
 from slafload import (
     ConfigError,
+    CorruptDataError,
     DatasetError,
     InconsistentDataError,
     Loader,
@@ -264,16 +265,16 @@ CATALOG = {
     "truncated data file": Case(
         truncated_data_file,
         "open",
-        MissingTableError,
-        r"expression\.lance .*column 'cell_integer_id'.*truncated, corrupt or unreadable.*"
-        r"restore the dataset",
+        CorruptDataError,
+        r"expression\.lance: data file .*expression\.lance/data/.*\.lance \(rows \d+-\d+\) is "
+        r"truncated or overwritten.*Restore the file from a copy.*slafload verify",
     ),
     "corrupted data file": Case(
         corrupted_data_file,
         "open",
-        MissingTableError,
-        r"expression\.lance .*column 'cell_integer_id'.*truncated, corrupt or unreadable.*"
-        r"restore the dataset",
+        CorruptDataError,
+        r"expression\.lance: data file .*expression\.lance/data/.*\.lance \(rows \d+-\d+\) is "
+        r"truncated or overwritten.*Restore the file from a copy.*slafload verify",
     ),
     "config n_cells disagrees": Case(
         config_says(n_cells=N_CELLS + 1),

@@ -26,10 +26,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.types as pat
 
+from slafload._lance import integrity
 from slafload._lance.fragments import version_error
 from slafload.data.offsets import CellOffsets
 from slafload.errors import (
     ConfigError,
+    CorruptDataError,
     DatasetError,
     DatasetNotFoundError,
     InconsistentDataError,
@@ -208,6 +210,8 @@ def _raise_version_skew(
     """Raise :class:`LanceVersionError` where ``exc`` (or, for an error of ours, its cause)
     is the installed pylance failing on a Lance format another release wrote.
     """
+    if isinstance(exc, CorruptDataError):  # damage shown by the files themselves
+        return
     cause = exc.__cause__ if isinstance(exc, SlafloadError) else exc
     if cause is not None and not isinstance(cause, SlafloadError):
         skew = version_error(uri, cause, tables)
@@ -374,8 +378,9 @@ def _cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> CellOff
         starts = np.append(_offsets_by_scan(tables["expression"], n_cells), n_rows)
         return CellOffsets.of(starts)  # ascending by construction
     try:
-        return CellOffsets.build(_checked_starts(uri, cells, n_rows), n_cells + 1)
-    except InconsistentDataError:
+        with integrity.naming_damage("cells", cells, np.array([[0, n_cells]])):
+            return CellOffsets.build(_checked_starts(uri, cells, n_rows), n_cells + 1)
+    except (InconsistentDataError, CorruptDataError):
         raise
     except ValueError as exc:  # the table's row count and its batches disagree
         raise InconsistentDataError(
@@ -538,12 +543,16 @@ def _spot_check_expression(
     cells = np.unique(np.array(picked, dtype=np.int64))
     rows = np.unique(np.concatenate([cell_start[cells], cell_start[cells + 1] - 1]))
     try:
-        got = _rows_of(expression, rows)
-    except Exception as exc:  # Lance reports a damaged data file as a plain OSError
+        with integrity.naming_damage("expression", expression, np.stack([rows, rows + 1], 1)):
+            got = _rows_of(expression, rows)
+    except CorruptDataError:
+        raise
+    except Exception as exc:  # Lance reports an unreadable data file as a plain OSError
         raise MissingTableError(
-            f"expression.lance in {uri!r}: reading column 'cell_integer_id' failed, so a data "
-            f"file under expression.lance/data/ is truncated, corrupt or unreadable ({exc}). "
-            "Check its permissions, or restore the dataset from a copy or rewrite it."
+            f"expression.lance in {uri!r}: reading column 'cell_integer_id' failed "
+            f"({integrity.message(exc)}), so a data file under expression.lance/data/ is "
+            "missing or unreadable. Check its permissions (or credentials), or restore the "
+            "dataset from a copy; `slafload verify` checks every file."
         ) from exc
     want = cell_start.searchsorted(rows, side="right") - 1
     if not np.array_equal(got.astype(np.int64), want):

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from slafload._lance import integrity
 from slafload.data.dataset import SlafDataset
 from slafload.errors import InconsistentDataError
 from slafload.pipeline import budget
@@ -100,7 +102,8 @@ def _check_cells(
     raise InconsistentDataError(
         f"{where}: row {bad} of the chunk belongs to cell {row_cells[bad]} but "
         f"cell_start_index places it in cell {expected}. Expression rows must be "
-        "sorted by cell_integer_id and agree with cells.cell_start_index."
+        "sorted by cell_integer_id and agree with cells.cell_start_index; if the dataset "
+        "loaded before, a data file is damaged: `slafload verify` names it."
     )
 
 
@@ -236,8 +239,9 @@ def _check_gene_range(
     cell = cell_ids[np.searchsorted(indptr, row, side="right") - 1]
     raise InconsistentDataError(
         f"{where}: column 'gene_integer_id' holds gene {genes[row]} in cell {cell}, but "
-        f"genes.lance has only {n_genes} genes (ids 0..{n_genes - 1}). Add the missing "
-        "genes to genes.lance or renumber gene_integer_id when writing the dataset."
+        f"genes.lance has only {n_genes} genes (ids 0..{n_genes - 1}). If the dataset "
+        "loaded before, a data file is damaged: `slafload verify` names it. Otherwise add the "
+        "missing genes to genes.lance or renumber gene_integer_id when writing the dataset."
     )
 
 
@@ -274,8 +278,11 @@ class Assemble(Stage[tuple[Part, Chunk]]):
         while True:
             group = next(self.source)
             fetch, again = group.fetch, not group.cell_ids
-            chunks.append(assemble(fetch, group.batches, ds.cell_start, uri=ds.uri,
-                                   n_genes=ds.n_genes, checked=again))  # fmt: skip
+            try:
+                chunks.append(assemble(fetch, group.batches, ds.cell_start, uri=ds.uri,
+                                       n_genes=ds.n_genes, checked=again))  # fmt: skip
+            except InconsistentDataError as exc:
+                raise _naming_files(exc, ds, fetch) from exc
             if self.checked is not None and not again and len(fetch.ranges) == 1:
                 self.checked.add(*fetch.ranges[0].tolist())
             if group.last:
@@ -283,6 +290,15 @@ class Assemble(Stage[tuple[Part, Chunk]]):
             del group
         part = group.part
         return part, chunks[0] if len(chunks) == 1 else budget.concat(part.fetch.index, chunks)
+
+
+def _naming_files(exc: InconsistentDataError, ds: Any, fetch: Fetch) -> InconsistentDataError:
+    """``exc`` with the data files of ``fetch``'s rows named (damage shows up this way too)."""
+    table = getattr(ds, "expression", None)
+    if table is None:  # a mixture's source: its own message names it
+        return exc
+    files = integrity.describe(integrity.holding(table, ds.cell_start[fetch.ranges]))
+    return InconsistentDataError(f"{exc} The fetch's rows are in {files}.")
 
 
 class Shuffle(Stage[tuple[Part, Chunk]]):

@@ -40,6 +40,7 @@ import pyarrow as pa
 from slafload._lance._compat import take_scan
 from slafload._lance.data_files import DataFiles, direct_by_default, is_remote
 from slafload._lance.fragments import version_error
+from slafload._lance.integrity import is_panic, raise_if_corrupt
 from slafload._validate import check_int
 from slafload.errors import ReaderFallbackWarning, ReadError, SlafloadError
 from slafload.kernels import NUMPY, Kernels, prepare_reads
@@ -172,11 +173,12 @@ class Reader:
         except (SlafloadError, GeneratorExit, KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # BaseException: pylance's panics are
+            if not isinstance(exc, Exception) and not is_panic(exc):
+                raise
+            raise_if_corrupt("expression", self.dataset.expression, rows, exc)  # damage shown
             skew = version_error(self.dataset.uri, exc, {"expression": self.dataset.expression})
             if skew is not None:
                 raise skew from exc
-            if not isinstance(exc, Exception):
-                raise
             raise ReadError(
                 f"Reading {fetch!r} (expression rows {describe(rows)}) from "
                 f"{self.dataset.uri!r} failed: {type(exc).__name__}: {exc}"

@@ -26,11 +26,22 @@ _EPILOG = """examples:
   slafload convert plate1.h5ad plate2.h5ad atlas.slaf --layer counts
   slafload convert big.h5ad atlas.slaf --shuffle-seed 0     # pre-shuffled for plain streaming
   slafload info atlas.slaf
+  slafload verify atlas.slaf                                # read everything, find damage
   slafload optimize atlas.slaf                              # cheaper random block reads
   slafload synth toy.slaf --cells 10000 --genes 2000 --plates 14
   slafload tune atlas.slaf --label cell_type --budget-s 60  # pick BlockShuffle's (b, f)
   slafload bench --cells 20000 --no-peers                   # see slafload bench --help
+  slafload warm-up                                          # compile kernels (containers)
 """
+
+
+_VERIFY = """Read every table of a SLAF dataset once and report each problem with its data file
+and rows: damaged or truncated files, undecodable pages, row counts, cell ids and offsets, gene
+ids out of range, negative or NaN values. Exit status 1 if any is found."""
+_WARM_UP = """Compile every kernel into numba's on-disk cache (for container builds). The read
+kernels, then the token kernels by short loader runs on tiny synthetic atlases, so the first run
+on this machine does not compile. numba keys the cache by CPU model; NUMBA_CACHE_DIR picks where
+it goes."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -140,6 +151,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     _add_tune(sub)
+    v = sub.add_parser("verify", help=_VERIFY.split(".")[0].lower(), description=_VERIFY)
+    v.add_argument("path", metavar="DATASET", help="SLAF dataset directory")
+    v.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    w = sub.add_parser("warm-up", help=_WARM_UP.split(".")[0].lower(), description=_WARM_UP)
+    w.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     sub.add_parser(
         "bench",
         help="throughput benchmark against the raw Lance floor and slafdb",
@@ -189,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "optimize": _optimize,
             "synth": _synth,
             "tune": _tune,
+            "warm-up": _warm_up,
+            "verify": _verify,
         }
         return commands[args.command](args)
     except _USER_ERRORS as exc:
@@ -266,6 +284,7 @@ def _info(args: argparse.Namespace) -> int:
             for name, version in ds.versions.items()
         ),
         f"format     Lance {fmt} (the expression table's data files){hint}",
+        "checked    metadata only, not the data: `slafload verify` reads every data file",
         "obs columns",
     ]
     skip = {"cell_integer_id", "cell_start_index"}
@@ -306,6 +325,35 @@ def _range(ds: Any) -> str:
 
     recorded = value_range(ds)
     return "not recorded" if recorded is None else f"[{recorded[0]:g}, {recorded[1]:g}]"
+
+
+def _verify(args: argparse.Namespace) -> int:
+    import os
+
+    from slafload.tools.verify import verify
+
+    if not args.verbose:  # a damaged page may panic Lance: its message, not Rust's backtrace
+        os.environ["RUST_BACKTRACE"] = "0"
+    problems = verify(args.path, progress=not args.no_progress)
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"slafload verify: {len(problems)} problem(s) in {args.path}", file=sys.stderr)
+        return 1
+    print(f"{args.path}: every table read, no problem found")
+    return 0
+
+
+def _warm_up(args: argparse.Namespace) -> int:
+    from slafload.tools.warm_up import fill_cache
+
+    try:
+        runs = fill_cache(progress=not args.no_progress)
+    except ImportError as exc:
+        print(f"slafload warm-up: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"numba's cache holds the read kernels and the token kernels of {runs} loader runs")
+    return 0
 
 
 def _describe(column: pl.Series) -> str:
