@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import random_counts, write_dense
+
+pytestmark = pytest.mark.slow  # separate processes (torchrun, training runs)
 
 SCRIPT = Path(__file__).parent / "scripts" / "ddp_epoch.py"
 

@@ -217,6 +217,7 @@ print(json.dumps({name: sum(d.stats.cache_misses.values()) for name, d in used.i
 """
 
 
+@pytest.mark.slow
 def test_warm_up_command_fills_the_cache_a_first_run_needs(tmp_path):
     cache = tmp_path / "cache"
     warm = subprocess.run(

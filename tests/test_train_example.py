@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from conftest import load_script
 
 from slafload import Loader
 from slafload.transforms import Vocabulary
+
+pytestmark = pytest.mark.slow  # separate processes (torchrun, training runs)
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_mlm.py"
 
