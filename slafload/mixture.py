@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 MISSING = -1
 """Obs code of the cells of a source that lacks the column."""
 VALUE_RULES = ("check", "log1p", "as_is")
+MIX_RULES = ("cell", "batch")
 DatasetLike = SlafDataset | str | os.PathLike
 
 
@@ -90,6 +91,9 @@ class Mixture:
         epoch_cells: ``None``: an epoch is one pass over every source; an integer: an epoch is
             that many cells, drawn from the sources in proportion to their weights (see
             :mod:`slafload.samplers.mixed`).
+        mix: ``"cell"``: every batch draws its cells from the sources in proportion to the
+            weights; ``"batch"``: every batch comes from one source, sources taking turns by
+            weight (per-source normalisation layers need that).
         values: ``"check"`` refuses mixing integer and float values where it matters,
             ``"log1p"`` normalises integer sources per cell to ``target_sum`` then ``log1p``,
             ``"as_is"`` mixes them knowingly.
@@ -105,6 +109,7 @@ class Mixture:
         unknown: str = "drop",
         gene_column: str = "gene_id",
         epoch_cells: int | None = None,
+        mix: str = "cell",
         values: str = "check",
         target_sum: float = 1e4,
     ):
@@ -126,6 +131,8 @@ class Mixture:
             raise MixtureError(f"values must be one of {VALUE_RULES}, got {values!r}")
         if epoch_cells is not None and (not isinstance(epoch_cells, int) or epoch_cells < 1):
             raise MixtureError(f"epoch_cells must be a positive int or None, got {epoch_cells!r}")
+        if mix not in MIX_RULES:
+            raise MixtureError(f"mix must be one of {MIX_RULES}, got {mix!r}")
         if not target_sum > 0:
             raise MixtureError(f"target_sum must be positive, got {target_sum!r}")
         opened = [
@@ -141,6 +148,7 @@ class Mixture:
             "unknown": unknown,
             "gene_column": gene_column,
             "epoch_cells": epoch_cells,
+            "mix": mix,
             "values": values,
             "target_sum": target_sum,
         }
@@ -148,6 +156,7 @@ class Mixture:
         self.vocabulary = self._vocabulary(vocabulary, gene_column)
         remaps = self._remaps(unknown, gene_column)
         self.unknown, self.epoch_cells, self.values = unknown, epoch_cells, values
+        self.mix = mix
         self.transform = PerSource(
             self.offsets,
             tuple(
@@ -217,8 +226,10 @@ class Mixture:
         """Bytes of the widest source's expression row, as the memory budget counts them."""
         return max(ds.row_bytes(columns) for ds in self.datasets)
 
-    def sampler(self, default: Sampler, bind=lambda s: s) -> MixtureSampler:
-        """The mixture's sampler: each source's own sampler (``default`` where unset)."""
+    def sampler(self, default: Sampler, bind=lambda s: s, batch_size: int = 1) -> MixtureSampler:
+        """The mixture's sampler: each source's own sampler (``default`` where unset), mixing
+        for batches of ``batch_size`` cells.
+        """
         return MixtureSampler(
             names=self.source_names,
             uris=tuple(ds.uri for ds in self.datasets),
@@ -231,6 +242,8 @@ class Mixture:
                 bind(s.sampler) if s.sampler is not None else default for s in self.sources
             ),
             epoch_cells=self.epoch_cells,
+            mix=self.mix,
+            batch_size=batch_size,
         )
 
     def obs_codes(self, column: str) -> tuple[CellColumn, list[Any] | None]:

@@ -35,13 +35,14 @@ kept, and the share of source ``k`` among the cells delivered so far tracks ``r_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from slafload.ranges import slice_ranges
 from slafload.samplers.base import Fetch, Plan, derive_seed
+from slafload.samplers.interleave import MixedFetch
 from slafload.types import Sampler
 
 _INTERLEAVE = 0x6D6978  # keys the interleaving's random stream apart from the samplers'
@@ -81,6 +82,8 @@ class MixtureSampler:
     weights: tuple[float, ...]
     samplers: tuple[Sampler, ...]
     epoch_cells: int | None = None
+    mix: str = "cell"
+    batch_size: int = 1
 
     @property
     def offsets(self) -> np.ndarray:
@@ -95,7 +98,18 @@ class MixtureSampler:
                 "plan the mixture with its own size (Mixture.n_cells)"
             )
         windows = [self._window(k, seed, epoch) for k in range(len(self.sizes))]
-        return MixedPlan(windows, self.offsets, self._rates(windows), seed, epoch)
+        if len(windows) == 1:
+            return _OnePlan(windows[0])
+        totals = np.array([w.n_cells for w in windows], dtype=np.int64)
+        width = max([int(w.sizes.max()) for w in windows if len(w.sizes)] + [1])
+        rates = self._rates(windows)
+        if self.mix == "batch":
+            width = max(width - width % self.batch_size, self.batch_size)
+            rng = np.random.default_rng(derive_seed(seed, epoch, _INTERLEAVE))
+            cum = _by_turns(totals, rates, width, rng.random(len(totals)))
+        else:
+            cum = _cumulative(totals, rates, width)
+        return MixedPlan(windows, self.offsets, cum, seed, epoch)
 
     def _rates(self, windows: Sequence[_Window]) -> np.ndarray:
         if self.epoch_cells is None:
@@ -120,6 +134,7 @@ class MixtureSampler:
             "weights": list(self.weights),
             "source_samplers": [repr(s) for s in self.samplers],
             "epoch_cells": self.epoch_cells,
+            "mix": self.mix if self.mix == "cell" else f"{self.mix}:{self.batch_size}",
         }
 
     def __repr__(self) -> str:
@@ -128,7 +143,8 @@ class MixtureSampler:
             for n, w, s in zip(self.names, self.weights, self.samplers, strict=True)
         )
         mode = "one_pass" if self.epoch_cells is None else f"epoch_cells={self.epoch_cells}"
-        return f"MixtureSampler({mode}; {parts})"
+        mix = "" if self.mix == "cell" else f", mix={self.mix}:{self.batch_size}"
+        return f"MixtureSampler({mode}{mix}; {parts})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -203,45 +219,126 @@ class _Window:
 
 
 class MixedPlan(Plan):
-    """One epoch's fetches of every source, interleaved by time (see the module docstring).
+    """One epoch's cells of every source, in mixed fetches (see the module docstring).
 
-    Fetch ``j`` is fetch ``local[j]`` of source ``source[j]``'s window, its cell ranges moved
-    to global cell ids.
+    Source ``k``'s cells of the epoch form a stream: its window's fetches, each in read
+    order, one after the other. Mixed fetch ``j`` takes cells ``[cum[j - 1, k], cum[j, k])``
+    of every source's stream (:class:`~slafload.samplers.interleave.MixedFetch`): source
+    ``k`` supplies cells at rate ``rates[k]`` while its stream lasts, and each mixed fetch
+    holds about as many cells as the largest fetch of any source.
     """
 
     def __init__(
         self,
         windows: Sequence[_Window],
         offsets: np.ndarray,
-        rates: np.ndarray,
+        cum: np.ndarray,
         seed: int,
         epoch: int,
     ):
-        self._windows, self._offsets = list(windows), offsets
-        times, sources, locals_ = [], [], []
-        for k, window in enumerate(self._windows):
-            sizes = window.sizes
-            before = np.cumsum(sizes) - sizes
-            u = np.random.default_rng(derive_seed(seed, epoch, _INTERLEAVE, k)).random(len(sizes))
-            times.append((before + u * sizes) / rates[k])
-            sources.append(np.full(len(sizes), k, dtype=np.int64))
-            locals_.append(np.arange(len(sizes), dtype=np.int64))
-        t, s, i = (np.concatenate(x) for x in (times, sources, locals_))
-        order = np.lexsort((i, s, t))
-        self.source, self.local = s[order], i[order]
-        sizes = np.concatenate([w.sizes for w in self._windows])
-        firsts = np.cumsum([0] + [len(w.sizes) for w in self._windows])[:-1]
-        self._sizes = sizes[(firsts[self.source] + self.local)] if len(order) else sizes
+        self._windows, self._offsets, self._cum = list(windows), offsets, cum
+        self._seed, self._epoch = seed, epoch
+        self._ends = [np.cumsum(w.sizes) for w in self._windows]
+        self._sizes = np.diff(self._cum.sum(axis=1), prepend=0).astype(np.int64)
 
     def __len__(self) -> int:
-        return len(self.source)
+        return len(self._sizes)
 
     def fetch_sizes(self) -> np.ndarray:
         """``int64`` cells per fetch, without building the fetches."""
         return self._sizes
 
     def fetch(self, index: int) -> Fetch:
-        """Fetch ``index``: its source's own fetch, in global cell ids."""
-        k = int(self.source[index])
-        inner = self._windows[k].fetch(int(self.local[index]))
-        return Fetch(index, inner.ranges + self._offsets[k], inner.shuffle_seed)
+        """Mixed fetch ``index``: a block of every source's stream, in global cell ids."""
+        before = self._cum[index - 1] if index else np.zeros(len(self._windows), np.int64)
+        pieces, runs, shuffled = [], [], []
+        for k, (a, b) in enumerate(zip(before.tolist(), self._cum[index].tolist(), strict=True)):
+            for ranges, seeded in self._stream(k, a, b):
+                pieces.append(ranges + self._offsets[k])
+                runs.append(int((ranges[:, 1] - ranges[:, 0]).sum()))
+                shuffled.append(seeded)
+        seed = derive_seed(self._seed, self._epoch, _INTERLEAVE, index)
+        return MixedFetch(
+            index,
+            np.concatenate([np.zeros((0, 2), np.int64), *pieces]).astype(np.int64),
+            seed,
+            counts=self._cum[index] - before,
+            runs=np.array(runs, dtype=np.int64),
+            shuffled=np.array(shuffled, dtype=bool),
+        )
+
+    def _stream(self, k: int, a: int, b: int) -> Iterator[tuple[np.ndarray, bool]]:
+        """Cells ``[a, b)`` of source ``k``'s stream, one piece per fetch of the source's
+        own plan: its ranges, and whether that fetch is shuffled.
+        """
+        window, ends = self._windows[k], self._ends[k]
+        first = int(np.searchsorted(ends, a, side="right"))
+        last = int(np.searchsorted(ends, b, side="left")) if b > a else first - 1
+        for i in range(first, last + 1):
+            inner = window.fetch(i)
+            begin = int(ends[i]) - inner.n_cells
+            ranges = slice_ranges(inner.ranges, max(a - begin, 0), min(b, int(ends[i])) - begin)
+            yield ranges, inner.shuffle_seed is not None
+
+
+def _cumulative(totals: np.ndarray, rates: np.ndarray, width: int) -> np.ndarray:
+    """``int64[n_fetches, n_sources]``: each source's cells taken by the end of each fetch.
+
+    Source ``k`` supplies ``rates[k]`` cells per unit of time until its ``totals[k]`` are
+    taken; fetch ``j`` ends when ``width * (j + 1)`` cells are taken in all. The rows are
+    floors of that piecewise-linear schedule (never decreasing), the last row the totals.
+    """
+    n = int(totals.sum())
+    if n == 0:
+        return np.zeros((0, len(totals)), dtype=np.int64)
+    live = totals > 0
+    rates = np.where(live, np.maximum(rates, 1e-300), 1.0)
+    times = np.unique(np.concatenate([[0.0], totals[live] / rates[live]]))
+    taken = np.minimum(totals[None, :], rates[None, :] * times[:, None]).sum(axis=1)
+    targets = np.minimum(width * np.arange(1, -(-n // width) + 1, dtype=np.float64), n)
+    at = np.interp(targets, taken, times)
+    cum = np.floor(np.minimum(totals[None, :], rates[None, :] * at[:, None]) + 1e-9)
+    cum = np.minimum(cum.astype(np.int64), totals[None, :])
+    cum[-1] = totals
+    keep = np.diff(cum.sum(axis=1), prepend=0) > 0
+    return cum[keep]
+
+
+def _by_turns(totals: np.ndarray, rates: np.ndarray, width: int, u: np.ndarray) -> np.ndarray:
+    """Like :func:`_cumulative`, but each fetch from one source only (``mix="batch"``).
+
+    Source ``k``'s stream is cut into fetches of ``width`` cells (a multiple of the batch
+    size; the last one shorter); its fetch starting at cell ``c`` of ``s`` cells gets the time
+    ``(c + u[k] * s) / rates[k]`` and fetches follow their times.
+    """
+    times, sources, sizes = [], [], []
+    for k, total in enumerate(totals.tolist()):
+        begins = np.arange(0, total, width, dtype=np.int64)
+        size = np.minimum(begins + width, total) - begins
+        times.append((begins + u[k] * size) / max(float(rates[k]), 1e-300))
+        sources.append(np.full(len(begins), k, dtype=np.int64))
+        sizes.append(size)
+    t, src, n = (np.concatenate(x) for x in (times, sources, sizes))
+    order = np.lexsort((src, t))
+    steps = np.zeros((len(order), len(totals)), dtype=np.int64)
+    steps[np.arange(len(order)), src[order]] = n[order]
+    return np.cumsum(steps, axis=0)
+
+
+class _OnePlan(Plan):
+    """A one-source mixture's plan: its source's own fetches (nothing to interleave)."""
+
+    def __init__(self, window: _Window):
+        self._window = window
+
+    def __len__(self) -> int:
+        return len(self._window.sizes)
+
+    def fetch_sizes(self) -> np.ndarray:
+        """``int64`` cells per fetch."""
+        return self._window.sizes
+
+    def fetch(self, index: int) -> Fetch:
+        """The source's fetch ``index``."""
+        inner = self._window.fetch(index)
+        return Fetch(index, inner.ranges, inner.shuffle_seed)
