@@ -4,9 +4,11 @@ A :class:`Mixture` is a *source in front of the same chain*. It numbers the cell
 datasets one after the other (source ``k`` holds the global cell ids
 ``[offsets[k], offsets[k + 1])``) and offers the chain what it asks of a dataset: a reader
 (:class:`MixedReader`, one Lance reader per source), CSR offsets, obs codes. Its sampler
-(:class:`~slafload.samplers.mixed.MixtureSampler`) interleaves the sources' own plans by
-weight, one whole fetch at a time, so every fetch stays inside one source and partitioning
-among ranks, positions and resume are those of a single dataset. Per-source work happens in
+(:class:`~slafload.samplers.mixed.MixtureSampler`) builds mixed fetches: one contiguous
+block of each source's own plan per fetch, its cells interleaved by a seeded weighted
+schedule, so every batch draws from the sources in proportion to the weights
+(``mix="cell"``), or each batch comes from one source (``mix="batch"``). Partitioning among
+ranks, positions and resume are those of a single dataset. Per-source work happens in
 the chunk transforms (:class:`PerSource`): each source's value handling, then its
 :class:`~slafload.transforms.vocab.GeneRemap` into the shared vocabulary; the tokens that come
 out are vocabulary tokens.
@@ -393,7 +395,7 @@ class Mixture:
 
     def __repr__(self) -> str:
         mode = "one_pass" if self.epoch_cells is None else f"epoch_cells={self.epoch_cells}"
-        return f"Mixture({self.uri}, n_cells={self.n_cells:,}, vocabulary={len(self.vocabulary)} genes, {mode})"
+        return f"Mixture({self.uri}, n_cells={self.n_cells:,}, vocabulary={len(self.vocabulary)} genes, {mode}, mix={self.mix})"
 
 
 def _default_name(uri: str) -> str:

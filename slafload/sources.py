@@ -2,7 +2,7 @@
 
 A :class:`~slafload.mixture.Mixture` numbers its sources' cells one after the other: source
 ``k`` holds global cell ids ``[offsets[k], offsets[k + 1])``. The pieces here translate between
-global ids and each source's own: :class:`MixedReader` reads a fetch from its source,
+global ids and each source's own: :class:`MixedReader` reads a fetch from its sources,
 :class:`GlobalOffsets` gives the chunk stage CSR offsets by global id, :class:`CellColumn`
 gives the tokenize stage per-cell columns (source codes, ids within a source, obs codes), and
 :class:`PerSource` runs each chunk through its own source's transforms.
@@ -97,7 +97,7 @@ class GlobalOffsets:
 
 
 class MixedReader:
-    """Reads each fetch (global cell ids, one source) from its source's Lance tables.
+    """Reads each fetch (global cell ids, one or more sources) from its sources' Lance tables.
 
     The rows come back with global ``cell_integer_id`` so the chunk stage checks them against
     the fetch as it does for one dataset.

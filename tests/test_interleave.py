@@ -85,13 +85,17 @@ def test_each_rank_of_two_gets_mixed_batches(atlases, rank):
     _assert_mixed(batches, [1, 1])
 
 
-def test_mix_batch_gives_every_batch_from_one_source_by_weight(atlases):
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_mix_batch_gives_every_batch_from_one_source_by_weight(atlases, world_size):
     mix = Mixture([atlases["big"], atlases["small"]], weights=[3, 1], epoch_cells=4096,
                   mix="batch")  # fmt: skip
-    with Loader(mix, batch_size=32, max_genes=8, n_epochs=2, seed=1) as loader:
+    with Loader(mix, batch_size=32, max_genes=8, n_epochs=2, seed=1, rank=world_size - 1,
+                world_size=world_size) as loader:  # fmt: skip
         batches = _sources(loader)
     assert all(len(np.unique(b)) == 1 for b in batches)
-    assert np.concatenate(batches).mean() == pytest.approx(0.25, abs=1e-3)
+    assert np.concatenate(batches).mean() == pytest.approx(0.25, abs=0.02)
+    runs = np.flatnonzero(np.diff([b[0] for b in batches])) + 1
+    assert len(runs) >= 4  # the sources take turns through the epoch, not one after the other
     with pytest.raises(MixtureError, match="mix must be one of"):
         Mixture([atlases["big"]], mix="fetch")
 
@@ -170,5 +174,14 @@ def test_a_mixing_mixture_resumes_exactly_at_20_random_midpoints(
         mix = Mixture(paths, weights=[5, 3, 2][:n_sources], epoch_cells=epoch_cells)
         return Loader(mix, rank=world_size - 1, world_size=world_size, chunk_cells=64,
                       **SETTINGS)  # fmt: skip
+
+    assert_resumes_exactly(make, midpoints=20)
+
+
+def test_mix_batch_resumes_exactly_on_two_ranks(atlases):
+    def make():
+        mix = Mixture([atlases["small"], atlases["third"]], weights=[1, 1], epoch_cells=1024,
+                      mix="batch")  # fmt: skip
+        return Loader(mix, rank=1, world_size=2, chunk_cells=64, **SETTINGS)
 
     assert_resumes_exactly(make, midpoints=20)

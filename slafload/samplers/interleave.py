@@ -35,11 +35,15 @@ class MixedFetch(Fetch):
             each shuffled on its own: a run is a piece of one of its source's own fetches,
             so a source's passes and fetches stay in order.
         shuffled: ``bool[n_runs]`` whether each run is shuffled (its sampler shuffles).
+        unit: The schedule places a source's cells ``unit`` at a time: ``1`` mixes cell by
+            cell; the batch size (``mix="batch"``, block counts multiples of it) gives every
+            batch one source.
     """
 
     counts: np.ndarray = field(kw_only=True)
     runs: np.ndarray = field(kw_only=True)
     shuffled: np.ndarray = field(kw_only=True)
+    unit: int = field(default=1, kw_only=True)
 
     @property
     def _seed(self) -> int:
@@ -53,7 +57,8 @@ class MixedFetch(Fetch):
         u = np.random.default_rng(derive_seed(self._seed, 1)).random(len(counts))
         labels = np.repeat(np.arange(len(counts)), counts)
         within = np.arange(len(labels)) - np.repeat(np.cumsum(counts) - counts, counts)
-        keys = (within + u[labels]) / np.maximum(counts, 1)[labels]
+        turns = -(-counts // self.unit)  # a source's cells come in turns of ``unit`` cells
+        keys = (within // self.unit + u[labels]) / np.maximum(turns, 1)[labels]
         return np.lexsort((labels, keys)).astype(np.int64)
 
     def output_order(self) -> np.ndarray:
@@ -92,6 +97,7 @@ class MixedFetch(Fetch):
             counts=upto - before,
             runs=runs[runs > 0],
             shuffled=flags[runs > 0],
+            unit=self.unit,
         )
 
     def without(self, taken: np.ndarray, seed: int | None) -> Fetch:
@@ -116,6 +122,7 @@ class MixedFetch(Fetch):
             counts=left,
             runs=left[left > 0],
             shuffled=shuffle[left > 0],
+            unit=self.unit,
         )
 
     def __repr__(self) -> str:

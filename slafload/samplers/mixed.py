@@ -2,35 +2,45 @@
 
 A mixture (:mod:`slafload.mixture`) reads several SLAF datasets as one: source ``k``'s cells
 are the *global* cell ids ``[offsets[k], offsets[k + 1])``. Each source keeps its own sampler;
-:class:`MixtureSampler` interleaves the fetches of their plans into one :class:`Plan` whose
-fetches each stay inside one source (reads stay contiguous). Everything is arithmetic on
-``(seed, epoch)``, so partitioning among ranks (:mod:`slafload.partition`) and resume work on
-the mixed plan exactly as on a single source's.
+its plan's fetches, one after the other, make the source's *stream* for the epoch.
+:class:`MixtureSampler` cuts the streams into mixed fetches
+(:class:`~slafload.samplers.interleave.MixedFetch`): fetch ``j`` holds a contiguous block of
+every source's stream, read as that source's own ranges, and outputs its cells in a seeded
+stratified schedule, so every batch draws from the sources in proportion to their rates.
+Everything is arithmetic on ``(seed, epoch)``, so partitioning among ranks
+(:mod:`slafload.partition`) and resume work on the mixed plan exactly as on a single source's.
 
 Epoch semantics (``epoch_cells``):
 
 ``None`` (default): one pass over every source
-    An epoch holds every fetch of every source's plan for that epoch, so every cell of every
-    source comes exactly once (for the built-in samplers). Weights shape the *interleaving*:
-    while every source still has fetches left, source ``k`` supplies cells at a rate
-    proportional to ``weights[k]``; a source that runs out leaves the rest to the others.
-    The default weights are the sources' sizes, which spreads every source evenly over the
-    epoch (all sources end together).
+    An epoch holds every cell of every source's plan for that epoch, so every cell of every
+    source comes exactly once (for the built-in samplers). Weights shape the *mixing*: while
+    every source still has cells left, source ``k`` supplies cells at a rate proportional to
+    ``weights[k]``; a source that runs out leaves the rest of the epoch to the others. The
+    default weights are the sources' sizes, so every source lasts the whole epoch.
 ``epoch_cells=M``: a fixed number of cells drawn by weight
     An epoch holds exactly ``M`` cells, ``quota[k] = M * weights[k] / sum(weights)`` of them
-    from source ``k`` (largest-remainder rounding). Each source's cells come from its own
-    stream: its sampler's epochs 0, 1, 2, ... back to back, so mixture epoch ``e`` takes cells
-    ``[e * quota[k], (e + 1) * quota[k])`` of that stream. A down-weighted source thus takes
-    several mixture epochs to go through its cells once, an up-weighted one goes through its
-    cells several times per mixture epoch, and within one pass of a source no cell repeats
-    (sampling without replacement within a pass). A fetch cut at a window's edge is cut in
-    read order and reshuffled with a derived seed.
+    from source ``k`` (largest-remainder rounding), mixed at those rates throughout. Each
+    source's cells come from its own stream: its sampler's epochs 0, 1, 2, ... back to back,
+    so mixture epoch ``e`` takes cells ``[e * quota[k], (e + 1) * quota[k])`` of that stream.
+    A down-weighted source thus takes several mixture epochs to go through its cells once, an
+    up-weighted one goes through its cells several times per mixture epoch, and within one
+    pass of a source no cell repeats (sampling without replacement within a pass).
 
-Within an epoch the interleaving is drawn as follows: fetch ``i`` of source ``k``, holding
-cells ``[c_i, c_i + s_i)`` of that source's share, gets the time ``(c_i + u * s_i) / r_k``
-(``u`` uniform, seeded by ``(seed, epoch, k)``; ``r_k`` the source's weight in one-pass mode,
-its quota in fixed-size mode) and fetches are delivered by time. A source's own fetch order is
-kept, and the share of source ``k`` among the cells delivered so far tracks ``r_k``.
+Sizes and memory: a mixed fetch holds about as many cells as the largest fetch of any source
+(one fetch's memory, within ``memory_budget`` as for one dataset), so source ``k``'s block in
+it is that many cells times its share: with many sources each source's contiguous read per
+fetch shrinks in proportion (8 equal sources: 1/8 of a fetch each). Within its block a
+source's cells are shuffled fetch by fetch of its own plan (a piece of one of its fetches is
+shuffled on its own), so a source's fetches and passes keep their order.
+
+``mix="batch"``: the same mixed fetches, in whole batches: each source's block is a multiple
+of the batch size and the schedule places a source's cells a batch at a time, so every batch
+comes from one source and the sources take turns by weight within every fetch. On
+``world_size`` ranks this holds when a fetch's size is a multiple of
+``batch_size * world_size`` (as with power-of-two sizes); the last cells of each source's
+stream (less than a batch) end the epoch together, and the fetches left partly consumed by an
+elastic resume may mix.
 """
 
 from __future__ import annotations
@@ -64,7 +74,7 @@ def quotas(total: int, weights: Sequence[float]) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class MixtureSampler:
-    """Interleaves the plans of several sources' samplers (see the module docstring).
+    """Mixes the plans of several sources' samplers (see the module docstring).
 
     Args:
         names: Source names (in checkpoints and refusals).
@@ -74,6 +84,9 @@ class MixtureSampler:
         weights: Positive weight of each source.
         samplers: Each source's sampler (already bound to the loader's batch size).
         epoch_cells: ``None``: one pass over every source; else cells per epoch.
+        mix: ``"cell"``: cells interleaved within every fetch; ``"batch"``: one source per
+            fetch, fetches a multiple of ``batch_size``.
+        batch_size: The loader's batch size (``mix="batch"`` sizes fetches by it).
     """
 
     names: tuple[str, ...]
@@ -103,13 +116,16 @@ class MixtureSampler:
         totals = np.array([w.n_cells for w in windows], dtype=np.int64)
         width = max([int(w.sizes.max()) for w in windows if len(w.sizes)] + [1])
         rates = self._rates(windows)
-        if self.mix == "batch":
-            width = max(width - width % self.batch_size, self.batch_size)
-            rng = np.random.default_rng(derive_seed(seed, epoch, _INTERLEAVE))
-            cum = _by_turns(totals, rates, width, rng.random(len(totals)))
-        else:
+        unit = self.batch_size if self.mix == "batch" else 1
+        if unit == 1:
             cum = _cumulative(totals, rates, width)
-        return MixedPlan(windows, self.offsets, cum, seed, epoch)
+        else:  # whole batches, every stream's last partial batch in a last fetch
+            u = np.random.default_rng(derive_seed(seed, epoch, _INTERLEAVE)).random(len(totals))
+            batches = 1 << (max(width // unit, 1).bit_length() - 1)  # a power of two
+            cum = _by_units(totals // unit, rates, batches, u) * unit
+            if (totals % unit).any():
+                cum = np.vstack([cum, totals])
+        return MixedPlan(windows, self.offsets, cum, seed, epoch, unit)
 
     def _rates(self, windows: Sequence[_Window]) -> np.ndarray:
         if self.epoch_cells is None:
@@ -235,9 +251,10 @@ class MixedPlan(Plan):
         cum: np.ndarray,
         seed: int,
         epoch: int,
+        unit: int = 1,
     ):
         self._windows, self._offsets, self._cum = list(windows), offsets, cum
-        self._seed, self._epoch = seed, epoch
+        self._seed, self._epoch, self._unit = seed, epoch, unit
         self._ends = [np.cumsum(w.sizes) for w in self._windows]
         self._sizes = np.diff(self._cum.sum(axis=1), prepend=0).astype(np.int64)
 
@@ -265,6 +282,7 @@ class MixedPlan(Plan):
             counts=self._cum[index] - before,
             runs=np.array(runs, dtype=np.int64),
             shuffled=np.array(shuffled, dtype=bool),
+            unit=self._unit,
         )
 
     def _stream(self, k: int, a: int, b: int) -> Iterator[tuple[np.ndarray, bool]]:
@@ -304,25 +322,21 @@ def _cumulative(totals: np.ndarray, rates: np.ndarray, width: int) -> np.ndarray
     return cum[keep]
 
 
-def _by_turns(totals: np.ndarray, rates: np.ndarray, width: int, u: np.ndarray) -> np.ndarray:
-    """Like :func:`_cumulative`, but each fetch from one source only (``mix="batch"``).
-
-    Source ``k``'s stream is cut into fetches of ``width`` cells (a multiple of the batch
-    size; the last one shorter); its fetch starting at cell ``c`` of ``s`` cells gets the time
-    ``(c + u[k] * s) / rates[k]`` and fetches follow their times.
+def _by_units(totals: np.ndarray, rates: np.ndarray, width: int, u: np.ndarray) -> np.ndarray:
+    """Like :func:`_cumulative` in whole units (batches), every fetch exactly ``width`` units
+    (the last one fewer): unit ``i`` of source ``k`` is due at ``(i + u[k]) / rates[k]``, units
+    follow in order of due time, and fetch ``j`` is units ``[j * width, (j + 1) * width)``.
     """
-    times, sources, sizes = [], [], []
-    for k, total in enumerate(totals.tolist()):
-        begins = np.arange(0, total, width, dtype=np.int64)
-        size = np.minimum(begins + width, total) - begins
-        times.append((begins + u[k] * size) / max(float(rates[k]), 1e-300))
-        sources.append(np.full(len(begins), k, dtype=np.int64))
-        sizes.append(size)
-    t, src, n = (np.concatenate(x) for x in (times, sources, sizes))
-    order = np.lexsort((src, t))
-    steps = np.zeros((len(order), len(totals)), dtype=np.int64)
-    steps[np.arange(len(order)), src[order]] = n[order]
-    return np.cumsum(steps, axis=0)
+    n = int(totals.sum())
+    labels = np.repeat(np.arange(len(totals)), totals)
+    within = np.arange(n) - np.repeat(np.cumsum(totals) - totals, totals)
+    due = (within + u[labels]) / np.maximum(rates, 1e-300)[labels]
+    order = np.lexsort((labels, due))
+    ends = np.minimum(width * np.arange(1, -(-n // width) + 1), n)
+    where = np.empty(n, dtype=np.int64)
+    where[order] = np.arange(n)  # position of each unit in the merged order
+    cum = [np.searchsorted(np.sort(where[labels == k]), ends) for k in range(len(totals))]
+    return np.stack(cum, axis=1).astype(np.int64).reshape(len(ends), len(totals))
 
 
 class _OnePlan(Plan):
