@@ -38,9 +38,10 @@ from typing import Any, cast
 import numpy as np
 import pyarrow as pa
 
+from slafload import budget
 from slafload.dataset import SlafDataset, open_dataset
 from slafload.errors import MixtureError, SchemaError, StateError, VocabularyError
-from slafload.reader import ReadOptions
+from slafload.reader import COLUMNS, ReadOptions
 from slafload.samplers.mixed import MixtureSampler
 from slafload.sources import CellColumn, GlobalOffsets, MixedReader, PerSource
 from slafload.transforms.lognorm import LogNormalize
@@ -228,10 +229,22 @@ class Mixture:
         """Bytes of the widest source's expression row, as the memory budget counts them."""
         return max(ds.row_bytes(columns) for ds in self.datasets)
 
-    def sampler(self, default: Sampler, bind=lambda s: s, batch_size: int = 1) -> MixtureSampler:
+    def sampler(
+        self,
+        default: Sampler,
+        bind=lambda s: s,
+        batch_size: int = 1,
+        memory_budget: int | None = None,
+    ) -> MixtureSampler:
         """The mixture's sampler: each source's own sampler (``default`` where unset), mixing
-        for batches of ``batch_size`` cells.
+        for batches of ``batch_size`` cells, its fetches within half of ``memory_budget`` (the
+        other half for the next fetch, read ahead).
         """
+        fetch_cells = None
+        if memory_budget is not None:
+            rows = max(int(ds.cell_start[-1]) / max(ds.n_cells, 1) for ds in self.datasets)
+            per_cell = max(rows, 1.0) * self.row_bytes(list(COLUMNS)) * budget.COPIES
+            fetch_cells = max(int(memory_budget // 2 // per_cell), batch_size)
         return MixtureSampler(
             names=self.source_names,
             uris=tuple(ds.uri for ds in self.datasets),
@@ -246,6 +259,7 @@ class Mixture:
             epoch_cells=self.epoch_cells,
             mix=self.mix,
             batch_size=batch_size,
+            fetch_cells=fetch_cells,
         )
 
     def obs_codes(self, column: str) -> tuple[CellColumn, list[Any] | None]:

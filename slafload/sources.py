@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from slafload import budget
 from slafload.buffers import BytePool
 from slafload.dataset import SlafDataset
-from slafload.reader import ReadOptions
+from slafload.reader import ReadOptions, started
 from slafload.types import Chunk, ChunkTransform, Fetch, Offsets
 
 
@@ -127,14 +127,24 @@ class MixedReader:
         src = source_of(self.offsets, ranges[:, 0])
         bounds = np.flatnonzero(np.diff(src, prepend=-1, append=-1))
         common = self.common if len(bounds) > 2 else None  # one chunk: one schema
-        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-            k = int(src[lo])
-            offset = int(self.offsets[k])
-            local = Fetch(fetch.index, ranges[lo:hi] - offset, fetch.shuffle_seed)
-            for batch in self.readers[k].read(local, cell_ids=cell_ids):
-                if offset and "cell_integer_id" in batch.schema.names:
-                    batch = _shift_cells(batch, offset, int(self.offsets[-1]))
+        runs = list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
+        # every source's read started before the first is handed on, as one source's would be
+        reads = [
+            started(self._read(fetch, ranges[lo:hi], int(src[lo]), cell_ids)) for lo, hi in runs
+        ]
+        for read in reads:
+            for batch in read:
                 yield batch if common is None else _cast(batch, common)
+
+    def _read(
+        self, fetch: Fetch, ranges: np.ndarray, k: int, cell_ids: bool
+    ) -> Iterator[pa.RecordBatch]:
+        offset = int(self.offsets[k])
+        local = Fetch(fetch.index, ranges - offset, fetch.shuffle_seed)
+        for batch in self.readers[k].read(local, cell_ids=cell_ids):
+            if offset and "cell_integer_id" in batch.schema.names:
+                batch = _shift_cells(batch, offset, int(self.offsets[-1]))
+            yield batch
 
 
 def _cut_at(ranges: np.ndarray, offsets: np.ndarray) -> np.ndarray:

@@ -10,6 +10,7 @@ import pytest
 from resume_conformance import assert_resumes_exactly
 
 from slafload import Loader, Mixture, MixtureError
+from slafload.samplers import Streaming
 from slafload.samplers.interleave import MixedFetch
 from slafload.synthetic import write_atlas
 
@@ -185,3 +186,17 @@ def test_mix_batch_resumes_exactly_on_two_ranks(atlases):
         return Loader(mix, rank=1, world_size=2, chunk_cells=64, **SETTINGS)
 
     assert_resumes_exactly(make, midpoints=20)
+
+
+def test_mixed_fetches_hold_one_fetch_per_source_within_the_memory_budget(atlases):
+    mix = Mixture(list(atlases.values()), weights=[1, 1, 1])
+    roomy = mix.sampler(Streaming(chunk_cells=500), batch_size=32, memory_budget=1 << 30)
+    sizes = roomy.plan(mix.n_cells, seed=0, epoch=0).fetch_sizes()
+    assert sizes.max() == 1500  # one 500-cell fetch of each source
+    tight = mix.sampler(Streaming(chunk_cells=500), batch_size=32, memory_budget=1 << 18)
+    assert tight.fetch_cells is not None and tight.fetch_cells < 1500
+    plan = tight.plan(mix.n_cells, seed=0, epoch=0)
+    assert plan.fetch_sizes().max() <= tight.fetch_cells
+    assert plan.n_cells == mix.n_cells  # smaller fetches, the same cells
+    counts = np.array([plan.fetch(j).counts for j in range(len(plan) // 2)])
+    assert (counts.min(axis=1) > 0).all()  # every fetch still mixes all three sources

@@ -27,10 +27,10 @@ Epoch semantics (``epoch_cells``):
     up-weighted one goes through its cells several times per mixture epoch, and within one
     pass of a source no cell repeats (sampling without replacement within a pass).
 
-Sizes and memory: a mixed fetch holds about as many cells as the largest fetch of any source
-(one fetch's memory, within ``memory_budget`` as for one dataset), so source ``k``'s block in
-it is that many cells times its share: with many sources each source's contiguous read per
-fetch shrinks in proportion (8 equal sources: 1/8 of a fetch each). Within its block a
+Sizes and memory: a mixed fetch holds one fetch's worth of every source (the sum of the
+sources' largest fetches), capped at ``fetch_cells`` (the loader derives it from
+``memory_budget``), and source ``k``'s block in it is that size times its share. Where the cap
+binds (many sources), every source's contiguous read per fetch shrinks in proportion. Within its block a
 source's cells are shuffled fetch by fetch of its own plan (a piece of one of its fetches is
 shuffled on its own), so a source's fetches and passes keep their order.
 
@@ -84,6 +84,8 @@ class MixtureSampler:
         weights: Positive weight of each source.
         samplers: Each source's sampler (already bound to the loader's batch size).
         epoch_cells: ``None``: one pass over every source; else cells per epoch.
+        fetch_cells: At most this many cells per mixed fetch (the memory budget's share);
+            ``None``: no cap.
         mix: ``"cell"``: cells interleaved within every fetch; ``"batch"``: one source per
             fetch, fetches a multiple of ``batch_size``.
         batch_size: The loader's batch size (``mix="batch"`` sizes fetches by it).
@@ -97,6 +99,7 @@ class MixtureSampler:
     epoch_cells: int | None = None
     mix: str = "cell"
     batch_size: int = 1
+    fetch_cells: int | None = None
 
     @property
     def offsets(self) -> np.ndarray:
@@ -114,7 +117,11 @@ class MixtureSampler:
         if len(windows) == 1:
             return _OnePlan(windows[0])
         totals = np.array([w.n_cells for w in windows], dtype=np.int64)
-        width = max([int(w.sizes.max()) for w in windows if len(w.sizes)] + [1])
+        # one fetch of each source per mixed fetch, as far as fetch_cells (memory) allows
+        width = sum(int(w.sizes.max()) for w in windows if len(w.sizes))
+        if self.fetch_cells is not None:  # rounding per source moves a fetch's end by < K
+            width = min(width, self.fetch_cells - (len(windows) - 1))
+        width = max(width, 1)
         rates = self._rates(windows)
         unit = self.batch_size if self.mix == "batch" else 1
         if unit == 1:
@@ -151,6 +158,7 @@ class MixtureSampler:
             "source_samplers": [repr(s) for s in self.samplers],
             "epoch_cells": self.epoch_cells,
             "mix": self.mix if self.mix == "cell" else f"{self.mix}:{self.batch_size}",
+            "fetch_cells": self.fetch_cells,
         }
 
     def __repr__(self) -> str:
