@@ -109,10 +109,9 @@ class MixedFetch(Fetch):
         cells = self.cell_ids()
         keep = _left_after(cells, np.asarray(taken, dtype=np.int64))
         left = np.bincount(labels[keep], minlength=len(counts)).astype(np.int64)
-        run_source = np.repeat(labels, 1)[np.cumsum(self.runs) - 1] if len(cells) else labels
-        shuffle = np.array(
-            [bool(np.any(np.asarray(self.shuffled)[run_source == k])) for k in range(len(counts))]
-        )
+        run_source = labels[np.cumsum(self.runs, dtype=np.int64) - 1]  # each run's source
+        shuffled = np.asarray(self.shuffled, dtype=bool)
+        shuffle = np.array([bool(shuffled[run_source == k].any()) for k in range(len(counts))])
         pieces = [np.sort(cells[keep & (labels == k)]) for k in range(len(counts))]
         ranges = [ranges_of(p) if len(np.unique(p)) == len(p) else _single(p) for p in pieces]
         return MixedFetch(
