@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import run_cells
 from resume_conformance import assert_resumes_exactly
 
 from slafload import Loader, Mixture, MixtureError
@@ -105,11 +106,7 @@ def test_mix_batch_gives_every_batch_from_one_source_by_weight(atlases, world_si
 def test_one_pass_still_delivers_every_cell_once_with_cell_mixing(atlases):
     mix = Mixture(list(atlases.values()), weights=[1, 1, 1])
     with Loader(mix, batch_size=32, max_genes=8, n_epochs=1, drop_last=False) as loader:
-        cells = [
-            (s, c)
-            for b in loader
-            for s, c in zip(b["source"].tolist(), b["cell_integer_id"].tolist(), strict=True)
-        ]
+        cells = run_cells(loader)
     want = [(k, c) for k, n in enumerate([4000, 2000, 1000]) for c in range(n)]
     assert sorted(cells) == want
 
@@ -209,24 +206,17 @@ def test_a_mixing_mixture_of_three_resumes_elastically_from_two_ranks_onto_three
         return Loader(mix, rank=rank, world_size=world_size, n_epochs=1, batch_size=32,
                       max_genes=6, drop_last=False)  # fmt: skip
 
-    def cells(batches):
-        return [
-            (s, c)
-            for b in batches
-            for s, c in zip(b["source"].tolist(), b["cell_integer_id"].tolist(), strict=True)
-        ]
-
     before, states = [], []
     for rank in range(2):
         with make(rank, 2) as loader:
             it = iter(loader)
-            before += cells([next(it) for _ in range(30)])
+            before += run_cells([next(it) for _ in range(30)])
             states.append(json.loads(json.dumps(loader.state_dict())))
     after = []
     for rank in range(3):
         with make(rank, 3) as loader:
             loader.load_state_dict(states[rank % 2])
-            after += cells(loader)
+            after += run_cells(loader)
     seen = before + after
     assert len(set(seen)) == len(seen)  # nothing delivered twice across the resize
     assert 7000 - len(seen) < 2 * 10  # complete but for a cell per fetch of each segment
