@@ -166,7 +166,12 @@ class Loader:
         transforms, sampler = self._transforms, self.sampler
         if isinstance(self.dataset, Mixture):  # per-source samplers, remaps and columns
             batch_size = self.config.batch_size
-            sampler = self.dataset.sampler(sampler, lambda s: bind_batch_size(s, batch_size))
+            sampler = self.dataset.sampler(
+                sampler,
+                lambda s: bind_batch_size(s, batch_size),
+                batch_size,
+                self.config.memory_budget,
+            )
             transforms = (self.dataset.transform, *transforms)
             obs.update(self.dataset.cell_columns())
         spec = ChainSpec(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, overload, runtime_checkable
 
 import numpy as np
 
-from slafload.pipeline.ranges import describe, expand
+from slafload.pipeline.ranges import describe, expand, ranges_of, slice_ranges
 
 if TYPE_CHECKING:
     import torch
@@ -70,8 +70,36 @@ class Fetch:
         """The cells of this fetch in read order (before any shuffle)."""
         return expand(self.ranges[:, 0], self.ranges[:, 1] - self.ranges[:, 0])
 
+    def output_order(self) -> np.ndarray:
+        """``int64[n_cells]``: output position ``j`` holds read-order cell ``[j]``."""
+        return shuffle_order(self.n_cells, self.shuffle_seed)
+
+    def sliced(self, index: int, start: int, stop: int, seed: int | None) -> Fetch:
+        """Cells ``[start, stop)`` of this fetch as fetch ``index`` of their own, shuffled
+        with ``seed``; consecutive slices of ``[0, n_cells)`` hold every cell once (the
+        partition among ranks cuts a fetch so). Here the slice is in read order.
+        """
+        return Fetch(index, slice_ranges(self.ranges, start, stop), seed)
+
+    def without(self, taken: np.ndarray, seed: int | None) -> Fetch:
+        """The cells of this fetch not in ``taken``, as a fetch shuffled with ``seed``."""
+        left = np.setdiff1d(self.cell_ids(), taken, assume_unique=True)
+        return Fetch(self.index, ranges_of(left), seed)
+
     def __repr__(self) -> str:
         return f"Fetch(index={self.index}, cells={self.n_cells}, ranges={describe(self.ranges)})"
+
+
+def shuffle_order(n: int, seed: int | None) -> np.ndarray:
+    """The in-memory order of a fetch of ``n`` cells shuffled with ``seed``.
+
+    Output position ``j`` holds read-order cell ``[j]``; ``seed=None`` keeps read order. The
+    chunk stage applies it, and the partition among ranks uses it to know which cells a rank
+    has consumed.
+    """
+    if seed is None:
+        return np.arange(n, dtype=np.int64)
+    return np.random.default_rng(seed).permutation(n).astype(np.int64)
 
 
 class Plan(Sequence[Fetch]):

@@ -270,3 +270,12 @@ def flat_opens(monkeypatch) -> list:
 
     monkeypatch.setattr(FlatFiles, "open", spy)
     return opened
+
+
+def run_cells(batches) -> list[tuple[int, int]]:
+    """A mixture's delivered cells as ``(source, cell_integer_id)``, in delivery order."""
+    return [
+        (int(s), int(c))
+        for b in batches
+        for s, c in zip(b["source"].tolist(), b["cell_integer_id"].tolist(), strict=True)
+    ]

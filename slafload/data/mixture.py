@@ -4,9 +4,11 @@ A :class:`Mixture` is a *source in front of the same chain*. It numbers the cell
 datasets one after the other (source ``k`` holds the global cell ids
 ``[offsets[k], offsets[k + 1])``) and offers the chain what it asks of a dataset: a reader
 (:class:`MixedReader`, one Lance reader per source), CSR offsets, obs codes. Its sampler
-(:class:`~slafload.samplers.mixed.MixtureSampler`) interleaves the sources' own plans by
-weight, one whole fetch at a time, so every fetch stays inside one source and partitioning
-among ranks, positions and resume are those of a single dataset. Per-source work happens in
+(:class:`~slafload.samplers.mixed.MixtureSampler`) builds mixed fetches: one contiguous
+block of each source's own plan per fetch, its cells interleaved by a seeded weighted
+schedule, so every batch draws from the sources in proportion to the weights
+(``mix="cell"``), or each batch comes from one source (``mix="batch"``). Partitioning among
+ranks, positions and resume are those of a single dataset. Per-source work happens in
 the chunk transforms (:class:`PerSource`): each source's value handling, then its
 :class:`~slafload.transforms.vocab.GeneRemap` into the shared vocabulary; the tokens that come
 out are vocabulary tokens.
@@ -39,7 +41,8 @@ import pyarrow as pa
 from slafload.data.dataset import SlafDataset, open_dataset
 from slafload.data.sources import CellColumn, GlobalOffsets, MixedReader, PerSource
 from slafload.errors import MixtureError, SchemaError, StateError, VocabularyError
-from slafload.pipeline.reader import ReadOptions
+from slafload.pipeline import budget
+from slafload.pipeline.reader import COLUMNS, ReadOptions
 from slafload.samplers.mixed import MixtureSampler
 from slafload.transforms.lognorm import LogNormalize
 from slafload.transforms.vocab import UNKNOWN_RULES, Vocabulary, _gene_names
@@ -50,6 +53,7 @@ logger = logging.getLogger(__name__)
 MISSING = -1
 """Obs code of the cells of a source that lacks the column."""
 VALUE_RULES = ("check", "log1p", "as_is")
+MIX_RULES = ("cell", "batch")
 DatasetLike = SlafDataset | str | os.PathLike
 
 
@@ -90,6 +94,9 @@ class Mixture:
         epoch_cells: ``None``: an epoch is one pass over every source; an integer: an epoch is
             that many cells, drawn from the sources in proportion to their weights (see
             :mod:`slafload.samplers.mixed`).
+        mix: ``"cell"``: every batch draws its cells from the sources in proportion to the
+            weights; ``"batch"``: every batch comes from one source, sources taking turns by
+            weight (per-source normalisation layers need that).
         values: ``"check"`` refuses mixing integer and float values where it matters,
             ``"log1p"`` normalises integer sources per cell to ``target_sum`` then ``log1p``,
             ``"as_is"`` mixes them knowingly.
@@ -105,6 +112,7 @@ class Mixture:
         unknown: str = "drop",
         gene_column: str = "gene_id",
         epoch_cells: int | None = None,
+        mix: str = "cell",
         values: str = "check",
         target_sum: float = 1e4,
     ):
@@ -126,6 +134,8 @@ class Mixture:
             raise MixtureError(f"values must be one of {VALUE_RULES}, got {values!r}")
         if epoch_cells is not None and (not isinstance(epoch_cells, int) or epoch_cells < 1):
             raise MixtureError(f"epoch_cells must be a positive int or None, got {epoch_cells!r}")
+        if mix not in MIX_RULES:
+            raise MixtureError(f"mix must be one of {MIX_RULES}, got {mix!r}")
         if not target_sum > 0:
             raise MixtureError(f"target_sum must be positive, got {target_sum!r}")
         opened = [
@@ -141,6 +151,7 @@ class Mixture:
             "unknown": unknown,
             "gene_column": gene_column,
             "epoch_cells": epoch_cells,
+            "mix": mix,
             "values": values,
             "target_sum": target_sum,
         }
@@ -148,6 +159,7 @@ class Mixture:
         self.vocabulary = self._vocabulary(vocabulary, gene_column)
         remaps = self._remaps(unknown, gene_column)
         self.unknown, self.epoch_cells, self.values = unknown, epoch_cells, values
+        self.mix = mix
         self.transform = PerSource(
             self.offsets,
             tuple(
@@ -217,8 +229,22 @@ class Mixture:
         """Bytes of the widest source's expression row, as the memory budget counts them."""
         return max(ds.row_bytes(columns) for ds in self.datasets)
 
-    def sampler(self, default: Sampler, bind=lambda s: s) -> MixtureSampler:
-        """The mixture's sampler: each source's own sampler (``default`` where unset)."""
+    def sampler(
+        self,
+        default: Sampler,
+        bind=lambda s: s,
+        batch_size: int = 1,
+        memory_budget: int | None = None,
+    ) -> MixtureSampler:
+        """The mixture's sampler: each source's own sampler (``default`` where unset), mixing
+        for batches of ``batch_size`` cells, its fetches within half of ``memory_budget`` (the
+        other half for the next fetch, read ahead).
+        """
+        fetch_cells = None
+        if memory_budget is not None:
+            rows = max(int(ds.cell_start[-1]) / max(ds.n_cells, 1) for ds in self.datasets)
+            per_cell = max(rows, 1.0) * self.row_bytes(list(COLUMNS)) * budget.COPIES
+            fetch_cells = max(int(memory_budget // 2 // per_cell), batch_size)
         return MixtureSampler(
             names=self.source_names,
             uris=tuple(ds.uri for ds in self.datasets),
@@ -231,6 +257,9 @@ class Mixture:
                 bind(s.sampler) if s.sampler is not None else default for s in self.sources
             ),
             epoch_cells=self.epoch_cells,
+            mix=self.mix,
+            batch_size=batch_size,
+            fetch_cells=fetch_cells,
         )
 
     def obs_codes(self, column: str) -> tuple[CellColumn, list[Any] | None]:
@@ -380,7 +409,7 @@ class Mixture:
 
     def __repr__(self) -> str:
         mode = "one_pass" if self.epoch_cells is None else f"epoch_cells={self.epoch_cells}"
-        return f"Mixture({self.uri}, n_cells={self.n_cells:,}, vocabulary={len(self.vocabulary)} genes, {mode})"
+        return f"Mixture({self.uri}, n_cells={self.n_cells:,}, vocabulary={len(self.vocabulary)} genes, {mode}, mix={self.mix})"
 
 
 def _default_name(uri: str) -> str:

@@ -2,7 +2,7 @@
 
 A :class:`~slafload.data.mixture.Mixture` numbers its sources' cells one after the other: source
 ``k`` holds global cell ids ``[offsets[k], offsets[k + 1])``. The pieces here translate between
-global ids and each source's own: :class:`MixedReader` reads a fetch from its source,
+global ids and each source's own: :class:`MixedReader` reads a fetch from its sources,
 :class:`GlobalOffsets` gives the chunk stage CSR offsets by global id, :class:`CellColumn`
 gives the tokenize stage per-cell columns (source codes, ids within a source, obs codes), and
 :class:`PerSource` runs each chunk through its own source's transforms.
@@ -11,6 +11,7 @@ gives the tokenize stage per-cell columns (source codes, ids within a source, ob
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +21,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from slafload.data.dataset import SlafDataset
+from slafload.pipeline import budget
 from slafload.pipeline.buffers import BytePool
-from slafload.pipeline.reader import ReadOptions
+from slafload.pipeline.reader import ReadOptions, started
 from slafload.types import Chunk, ChunkTransform, Fetch, Offsets
 
 
@@ -95,7 +97,7 @@ class GlobalOffsets:
 
 
 class MixedReader:
-    """Reads each fetch (global cell ids, one source) from its source's Lance tables.
+    """Reads each fetch (global cell ids, one or more sources) from its sources' Lance tables.
 
     The rows come back with global ``cell_integer_id`` so the chunk stage checks them against
     the fetch as it does for one dataset.
@@ -112,19 +114,77 @@ class MixedReader:
         if options.pool is None:  # one pool for every source: flat reads keep one bound's worth
             options = dataclasses.replace(options, pool=BytePool())
         self.readers = [ds.reader(options) for ds in datasets]
+        self.common = _common_schema(datasets, int(offsets[-1]))
 
     def read(self, fetch: Fetch, *, cell_ids: bool = True) -> Iterator[pa.RecordBatch]:
-        """The record batches of ``fetch``, read from its source, with global cell ids
+        """The record batches of ``fetch``, read from its sources (each run of consecutive
+        ranges of one source as one read of that source), with global cell ids
         (``cell_ids=False``: possibly without them, as :meth:`slafload.pipeline.reader.Reader.read` says).
         """
-        if not len(fetch.ranges):
+        ranges = _cut_at(fetch.ranges, self.offsets)
+        if not len(ranges):
             return
-        k = int(source_of(self.offsets, fetch.ranges[:1, 0])[0])
+        src = source_of(self.offsets, ranges[:, 0])
+        bounds = np.flatnonzero(np.diff(src, prepend=-1, append=-1))
+        common = self.common if len(bounds) > 2 else None  # one chunk: one schema
+        runs = list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
+        # every source's read started before the first is handed on, as one source's would be
+        reads = [
+            started(self._read(fetch, ranges[lo:hi], int(src[lo]), cell_ids)) for lo, hi in runs
+        ]
+        for read in reads:
+            for batch in read:
+                yield batch if common is None else _cast(batch, common)
+
+    def _read(
+        self, fetch: Fetch, ranges: np.ndarray, k: int, cell_ids: bool
+    ) -> Iterator[pa.RecordBatch]:
         offset = int(self.offsets[k])
-        local = Fetch(fetch.index, fetch.ranges - offset, fetch.shuffle_seed)
+        local = Fetch(fetch.index, ranges - offset, fetch.shuffle_seed)
         for batch in self.readers[k].read(local, cell_ids=cell_ids):
-            shift = offset and "cell_integer_id" in batch.schema.names
-            yield _shift_cells(batch, offset, int(self.offsets[-1])) if shift else batch
+            if offset and "cell_integer_id" in batch.schema.names:
+                batch = _shift_cells(batch, offset, int(self.offsets[-1]))
+            yield batch
+
+
+def _cut_at(ranges: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``ranges`` (read order kept) with every range crossing a source boundary cut there."""
+    ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+    first = source_of(offsets, ranges[:, 0])
+    last = source_of(offsets, ranges[:, 1] - 1)
+    if not len(ranges) or (first == last).all():
+        return ranges
+    pieces = []
+    for (a, b), f, g in zip(ranges.tolist(), first.tolist(), last.tolist(), strict=True):
+        edges = [a, *offsets[f + 1 : g + 1].tolist(), b]
+        pieces += [[lo, hi] for lo, hi in itertools.pairwise(edges)]
+    return np.array(pieces, dtype=np.int64)
+
+
+def _common_schema(datasets: Sequence[SlafDataset], n_cells: int) -> pa.Schema | None:
+    """The expression columns' types every source's batches of one mixed fetch are cast to
+    (integer counts and float values promote to float), or ``None`` where all agree.
+    """
+    names = ["cell_integer_id", "gene_integer_id", "value"]
+    schemas = []
+    for k, ds in enumerate(datasets):
+        fields = [ds.expression.schema.field(n) for n in names]
+        cell = fields[0].type
+        if k and (not pa.types.is_integer(cell) or n_cells > np.iinfo(cell.to_pandas_dtype()).max):
+            fields[0] = pa.field(names[0], pa.int64())
+        schemas.append(pa.schema(fields))
+    if all(schema.equals(schemas[0]) for schema in schemas):
+        return None
+    return pa.unify_schemas(schemas, promote_options="permissive")
+
+
+def _cast(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` with each column in ``schema``'s type."""
+    for i, f in enumerate(batch.schema):
+        want = schema.field(f.name).type
+        if f.type != want:
+            batch = batch.set_column(i, f.name, batch.column(i).cast(want))
+    return batch
 
 
 def _shift_cells(batch: pa.RecordBatch, offset: int, n_cells: int) -> pa.RecordBatch:
@@ -141,19 +201,31 @@ def _shift_cells(batch: pa.RecordBatch, offset: int, n_cells: int) -> pa.RecordB
 
 @dataclass(frozen=True, eq=False)
 class PerSource:
-    """Chunk transform: each chunk through the transforms of the source its cells belong to.
+    """Chunk transform: each source's cells of a chunk through that source's transforms.
 
-    A mixture's fetches never straddle sources, so the first cell decides.
+    A mixed fetch reads each source's cells as one block, so a chunk is a few runs of
+    consecutive cells of one source; each run is transformed as a chunk of its own and the
+    runs are put back together, cells and output order unchanged.
     """
 
     offsets: np.ndarray
     transforms: tuple[tuple[ChunkTransform, ...], ...]
 
     def __call__(self, chunk: Chunk) -> Chunk:
-        """``chunk`` through the transforms of its source."""
-        if not chunk.n_cells:
+        """``chunk`` with each source's cells through that source's transforms."""
+        if not chunk.n_cells or not any(self.transforms):
             return chunk
-        k = int(source_of(self.offsets, chunk.cell_ids[:1])[0])
+        src = np.minimum(source_of(self.offsets, chunk.cell_ids), len(self.transforms) - 1)
+        bounds = np.flatnonzero(np.diff(src, prepend=-1, append=-1))
+        if len(bounds) == 2:
+            return self._through(int(src[0]), chunk)
+        runs = [
+            self._through(int(src[lo]), _cells(chunk, lo, hi))
+            for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True)
+        ]
+        return dataclasses.replace(budget.concat(chunk.fetch_index, runs), order=chunk.order)
+
+    def _through(self, k: int, chunk: Chunk) -> Chunk:
         for transform in self.transforms[k]:
             chunk = transform(chunk)
         return chunk
@@ -167,3 +239,16 @@ class PerSource:
             for ts in self.transforms
         )
         return dataclasses.replace(self, transforms=bound)
+
+
+def _cells(chunk: Chunk, lo: int, hi: int) -> Chunk:
+    """Read-order cells ``[lo, hi)`` of ``chunk`` as a chunk in read order."""
+    a, b = int(chunk.indptr[lo]), int(chunk.indptr[hi])
+    return Chunk(
+        chunk.fetch_index,
+        chunk.cell_ids[lo:hi],
+        chunk.indptr[lo : hi + 1] - a,
+        chunk.genes[a:b],
+        chunk.values[a:b],
+        np.arange(hi - lo, dtype=np.int64),
+    )

@@ -310,7 +310,7 @@ class Shuffle(Stage[tuple[Part, Chunk]]):
         part, chunk = next(self.source)
         if part.order is not None:
             return part, dataclasses.replace(chunk, order=part.order)
-        return part, shuffle(chunk, part.fetch.shuffle_seed)
+        return part, dataclasses.replace(chunk, order=part.fetch.output_order())
 
 
 class Transform(Stage[tuple[Part, Chunk]]):

@@ -3,7 +3,7 @@
 A fetch is shuffled in memory before its first minibatch is cut, so the first batch of a run
 normally waits for the whole first fetch: 32k cells for ``BlockShuffle(16, 1024)``, thousands
 of scattered ranges. But which cells the first output rows are is known before any read: the
-fetch's shuffle is seeded (:func:`~slafload.pipeline.chunk.shuffle_order`). :func:`split_first` turns a
+fetch's output order is seeded (:meth:`~slafload.types.Fetch.output_order`). :func:`split_first` turns a
 run's first part into two reads of the same fetch: its first ``cells`` output rows (a handful
 of cells, read as their own small ranges), then the rest of its output rows. Each read carries
 the output order of its cells, so the delivered cells, their order and every position (hence
@@ -17,7 +17,6 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from slafload.pipeline.partition import Part
-from slafload.samplers.base import shuffle_order
 from slafload.types import Fetch
 
 
@@ -33,7 +32,7 @@ def split_first(parts: Iterable[Part], cells: int) -> Iterator[Part]:
     if cells <= 0 or first.keep - first.skip <= cells or first.order is not None:
         yield first
     else:
-        order = shuffle_order(first.fetch.n_cells, first.fetch.shuffle_seed)
+        order = first.fetch.output_order()
         yield reading(first.fetch, order[first.skip : first.skip + cells])
         yield reading(first.fetch, order[first.skip + cells : first.keep])
     yield from parts

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from slafload.pipeline.ranges import ranges_of, slice_ranges
-from slafload.samplers.base import derive_seed, shuffle_order
+from slafload.samplers.base import derive_seed
 from slafload.types import Fetch, Plan
 
 
@@ -113,13 +112,12 @@ class RankShare:
         """``rank``'s part of fetch ``j``, as a fetch of its own (ranges and shuffle seed)."""
         fetch = self.fetches.fetch(j)
         start = int(self.offsets[j, rank])
-        ranges = slice_ranges(fetch.ranges, start, start + int(self.sizes[j, rank]))
         seed = (
             None
             if fetch.shuffle_seed is None
             else derive_seed(fetch.shuffle_seed, self.world_size, rank)
         )
-        return Fetch(j, ranges, seed)
+        return fetch.sliced(j, start, start + int(self.sizes[j, rank]), seed)
 
     def parts(self, skip: int = 0, worker: int = 0, n_workers: int = 1) -> Iterator[Part]:
         """The parts still to deliver, within the quota (lazy).
@@ -160,7 +158,7 @@ class RankShare:
                 m = int(np.clip(cells - self.prefix[j, rank], 0, self.sizes[j, rank]))
                 if m:
                     part = self.part(j, rank)
-                    order = shuffle_order(part.n_cells, part.shuffle_seed)
+                    order = part.output_order()
                     taken.append(part.cell_ids()[order[:m]])
             out.append((j, np.concatenate(taken) if taken else np.zeros(0, np.int64)))
         return out
@@ -174,10 +172,10 @@ def remaining(fetches: EpochFetches, segment: Segment, index: int) -> EpochFetch
     head: list[Fetch] = []
     for j, taken in partial:
         fetch = fetches.fetch(j)
-        left = np.setdiff1d(fetch.cell_ids(), taken, assume_unique=True)
-        if len(left):
-            seed = None if fetch.shuffle_seed is None else derive_seed(fetch.shuffle_seed, index)
-            head.append(Fetch(fetch.index, ranges_of(left), seed))
+        seed = None if fetch.shuffle_seed is None else derive_seed(fetch.shuffle_seed, index)
+        left = fetch.without(taken, seed)
+        if left.n_cells:
+            head.append(left)
     resume_at = (partial[-1][0] + 1) if partial else done_before
     head += [fetches.fetch(j) for j in range(resume_at, len(fetches.head))]
     return EpochFetches(fetches.plan, head, fetches.start + max(resume_at - len(fetches.head), 0))

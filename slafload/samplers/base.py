@@ -16,7 +16,7 @@ from typing import Self
 
 import numpy as np
 
-from slafload.types import Fetch, Plan, Sampler
+from slafload.types import Fetch, Plan, Sampler, shuffle_order
 
 __all__ = [
     "Fetch",
@@ -77,18 +77,6 @@ def array_digest(values: np.ndarray) -> str:
     """A short content hash, so ``repr`` (recorded in checkpoints) tells arrays apart."""
     values = np.ascontiguousarray(values)
     return f"{len(values)}x{values.dtype}:{hashlib.blake2b(values.data, digest_size=6).hexdigest()}"
-
-
-def shuffle_order(n: int, seed: int | None) -> np.ndarray:
-    """The in-memory order of a fetch of ``n`` cells shuffled with ``seed``.
-
-    Output position ``j`` holds read-order cell ``[j]``; ``seed=None`` keeps read order. The
-    chunk stage applies it, and the partition among ranks uses it to know which cells a rank
-    has consumed.
-    """
-    if seed is None:
-        return np.arange(n, dtype=np.int64)
-    return np.random.default_rng(seed).permutation(n).astype(np.int64)
 
 
 def derive_seed(*parts: int) -> int:

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from conftest import random_counts, write_dense
+from conftest import random_counts, run_cells, write_dense
 from resume_conformance import assert_resumes_exactly
 
 from slafload import Loader, Mixture, MixtureError, Source, StateError, VocabularyError
@@ -46,14 +46,6 @@ def _rename_genes(path, names):
 
     table = pa.table({"gene_id": names, "gene_integer_id": np.arange(len(names), dtype=np.uint16)})
     lance.write_dataset(table, str(path / "genes.lance"), mode="overwrite")
-
-
-def run_cells(loader) -> list[tuple[int, int]]:
-    return [
-        (int(s), int(c))
-        for b in loader
-        for s, c in zip(b["source"].tolist(), b["cell_integer_id"].tolist(), strict=True)
-    ]
 
 
 def test_one_pass_delivers_every_cell_of_every_source_exactly_once_per_epoch(atlases):
