@@ -26,7 +26,7 @@ from slafload.pipeline import budget
 from slafload.pipeline.buffers import gather_runs, scratch
 from slafload.pipeline.partition import Part
 from slafload.pipeline.ranges import RangeSet, expand
-from slafload.pipeline.read import Group
+from slafload.pipeline.read import CHECKED_RANGES, Group
 from slafload.pipeline.stage import Stage
 from slafload.samplers.base import shuffle_order
 from slafload.types import Chunk, ChunkTransform, Fetch, Offsets
@@ -283,8 +283,9 @@ class Assemble(Stage[tuple[Part, Chunk]]):
                                        n_genes=ds.n_genes, checked=again))  # fmt: skip
             except InconsistentDataError as exc:
                 raise _naming_files(exc, ds, fetch) from exc
-            if self.checked is not None and not again and len(fetch.ranges) == 1:
-                self.checked.add(*fetch.ranges[0].tolist())
+            if self.checked is not None and not again and len(fetch.ranges) <= CHECKED_RANGES:
+                for start, stop in fetch.ranges.tolist():
+                    self.checked.add(start, stop)
             if group.last:
                 break
             del group

@@ -38,6 +38,11 @@ from slafload.pipeline.reader import MAX_GAP_ROWS, started
 from slafload.pipeline.stage import Stage
 from slafload.types import Fetch, Offsets
 
+# Fetches of up to this many contiguous ranges (a stream's chunk, one block per source of a
+# mixed fetch) record and reuse the check of their rows; block sampling's scattered fetches
+# always read cell ids (checking thousands of short ranges costs more than it saves).
+CHECKED_RANGES = 16
+
 logger = logging.getLogger(__name__)
 
 
@@ -260,7 +265,11 @@ class Read(Stage[Group]):
     def _start(self, fetch: Fetch) -> PendingRead:
         """Start reading ``fetch``, without cell ids where its cells were checked before."""
         ranges, checked = fetch.ranges, self.checked
-        again = checked is not None and len(ranges) == 1 and checked.covers(*ranges[0].tolist())
+        again = (
+            checked is not None
+            and len(ranges) <= CHECKED_RANGES
+            and all(checked.covers(*r) for r in ranges.tolist())
+        )
         return self.reader.start(fetch, cell_ids=not again)
 
     def _start_until(self, n: int, holding: int = 0) -> None:
