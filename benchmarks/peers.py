@@ -51,6 +51,7 @@ BATCH_SIZE = 64
 BLOCK, FETCH_FACTOR = 16, 256
 SLAFLOAD = ("slafload-raw", "slafload-geneformer")
 CONTENDERS = (*SLAFLOAD, "scdataset", "slafdb", "annbatch")
+YIELDS_LABELS = {"annbatch"}  # batches come with plate labels, not the h5ad's row numbers
 LABELS = {
     "slafload-raw": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), raw",
     "slafload-geneformer": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), geneformer",
@@ -147,17 +148,32 @@ def _slafdb(spec: dict[str, Any]) -> Iterator[Any]:
 
 
 def _annbatch(spec: dict[str, Any]) -> Iterator[Any]:
-    # Not exercised on the machine this script was written on (annbatch 0.3.x needs Python
-    # >= 3.12): written from annbatch's documented API, and reported with its errors if that
-    # has moved.
+    # Not run on the machine this script was written on (annbatch 0.3.x needs Python >= 3.12):
+    # written from annbatch's API (Loader, use_collection, batches of {"X", "obs", "index"}),
+    # and reported with its error if that has moved. Its collection is shuffled on write, so
+    # "index" is not the h5ad's row: it yields the plate labels of its batch's obs instead.
     import annbatch  # type: ignore[import-not-found]
+    import numpy as np
 
-    collection = annbatch.DatasetCollection(spec["path"])
-    loader = annbatch.Loader(batch_size=BATCH_SIZE, shuffle=True, return_index=True)
-    loader.use_collection(collection)
-    while True:
+    _zarrs_codecs()
+    loader = annbatch.Loader(
+        batch_size=BATCH_SIZE, shuffle=True, rng=np.random.default_rng(0), preload_to_gpu=False,
+        to_torch=True,
+    )  # fmt: skip
+    loader.use_collection(annbatch.DatasetCollection(spec["path"]))
+    while True:  # one iteration is one epoch
         for batch in loader:
-            yield batch[-1]
+            yield batch["obs"]["plate"].to_numpy()
+
+
+def _zarrs_codecs() -> None:
+    """annbatch's advice for local files: zarrs' codec pipeline, where it is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("zarrs") is not None:
+        import zarr
+
+        zarr.config.set({"codec_pipeline.path": "zarrs.ZarrsCodecPipeline"})
 
 
 def _imports(name: str) -> None:
@@ -221,11 +237,11 @@ def child(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
 
     plates = np.load(spec["plates"])
-    n_plates = int(plates.max()) + 1
     entropies = []
     for b in window:
-        counts = np.bincount(plates[np.asarray(b, dtype=np.int64)], minlength=n_plates)
-        p = counts[counts > 0] / counts.sum()
+        labels = b if name in YIELDS_LABELS else plates[np.asarray(b, dtype=np.int64)]
+        _, counts = np.unique(labels, return_counts=True)
+        p = counts / counts.sum()
         entropies.append(float(-(p * np.log2(p)).sum()))
     return {
         "cells": cells, "seconds": elapsed, "cells_per_s": cells / elapsed,
@@ -352,6 +368,7 @@ def _slafdb_convert(h5ad: Path, out: Path) -> None:
 def _annbatch_convert(h5ad: Path, out: Path) -> None:
     import annbatch
 
+    _zarrs_codecs()
     annbatch.DatasetCollection(str(out)).add_adatas(adata_paths=[str(h5ad)], shuffle=True)
 
 
