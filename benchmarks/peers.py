@@ -158,7 +158,7 @@ def _annbatch(spec: dict[str, Any]) -> Iterator[Any]:
     _zarrs_codecs()
     loader = annbatch.Loader(
         batch_size=BATCH_SIZE, shuffle=True, rng=np.random.default_rng(0), preload_to_gpu=False,
-        to_torch=True,
+        to_torch="torch" in sys.modules,
     )  # fmt: skip
     loader.use_collection(annbatch.DatasetCollection(spec["path"]))
     while True:  # one iteration is one epoch
@@ -207,8 +207,12 @@ def _batches(name: str, spec: dict[str, Any]) -> Iterator[Any]:
 def child(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Run one contender in this (fresh) process and return its figures."""
     rss_start = _rss_mb()
-    import torch  # noqa: F401  # first, as in a training script
-
+    try:
+        import torch  # noqa: F401  # first, as in a training script
+    except ImportError:  # a peer's own interpreter (--python) may lack it: said in the report
+        if name in SLAFLOAD:
+            raise
+    has_torch = "torch" in sys.modules
     rss_torch = _rss_mb()
     t = time.perf_counter()
     _imports(name)
@@ -250,6 +254,7 @@ def child(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         "rss_start_mb": rss_start, "rss_after_torch_mb": rss_torch,
         "rss_after_imports_mb": rss_imports, "rss_after_first_batch_mb": rss_first,
         "import_s": import_s, "plate_entropy": float(np.mean(entropies)),
+        "torch_imported": has_torch,
     }  # fmt: skip
 
 
@@ -300,10 +305,18 @@ def make_h5ad(args: argparse.Namespace, data: Path) -> Path:
     return h5ad
 
 
-def _peer_error(module: str) -> str | None:
-    """Why ``module`` cannot be used here, or None (the parent's memory is not measured)."""
+def _peer_error(module: str, python: str | None = None) -> str | None:
+    """Why ``module`` cannot be used here (or by ``python``), or None.
+
+    Imported in this process where no other interpreter is given (the parent's memory is not
+    measured).
+    """
     import importlib
 
+    if python is not None:
+        out = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
+        last = (out.stderr.strip().splitlines() or ["(no message)"])[-1]
+        return None if out.returncode == 0 else f"`import {module}` fails in {python}: {last}"
     try:
         importlib.import_module(module)
     except Exception as exc:  # any failure to import makes the peer a skip, with its reason
@@ -311,7 +324,9 @@ def _peer_error(module: str) -> str | None:
     return None
 
 
-def convert_all(h5ad: Path, data: Path, wanted: list[str]) -> tuple[dict, dict, dict]:
+def convert_all(
+    h5ad: Path, data: Path, wanted: list[str], pythons: dict[str, str]
+) -> tuple[dict, dict, dict]:
     """Each peer's own format, written by its own writer: paths, write times, skip reasons."""
     import shutil
 
@@ -348,11 +363,12 @@ def convert_all(h5ad: Path, data: Path, wanted: list[str]) -> tuple[dict, dict, 
         else:
             paths["scdataset"] = str(h5ad)  # reads the backed h5ad: no conversion
     if "annbatch" in wanted:
-        if (why := _peer_error("annbatch")) is not None:
-            skipped["annbatch"] = why + " (annbatch 0.3.x needs Python >= 3.12)"
+        python = pythons.get("annbatch")
+        if (why := _peer_error("annbatch", python)) is not None:
+            skipped["annbatch"] = why + " (annbatch 0.3.x needs Python >= 3.12: see --python)"
         else:
             out = data / "annbatch.zarr"
-            write("annbatch", out, lambda: _annbatch_convert(h5ad, out))
+            write("annbatch", out, lambda: _write_in(python, "annbatch", h5ad, out))
     return paths, seconds, skipped
 
 
@@ -365,11 +381,23 @@ def _slafdb_convert(h5ad: Path, out: Path) -> None:
     SLAFConverter().convert(str(h5ad), str(out))
 
 
+def _write_in(python: str | None, peer: str, h5ad: Path, out: Path) -> None:
+    """Write ``peer``'s format with its writer, in ``python`` where given."""
+    if python is None:
+        WRITERS[peer](h5ad, out)
+        return
+    cmd = [python, __file__, "--write", peer, "--spec", json.dumps([str(h5ad), str(out)])]
+    subprocess.run(cmd, check=True)
+
+
 def _annbatch_convert(h5ad: Path, out: Path) -> None:
     import annbatch
 
     _zarrs_codecs()
     annbatch.DatasetCollection(str(out)).add_adatas(adata_paths=[str(h5ad)], shuffle=True)
+
+
+WRITERS = {"annbatch": _annbatch_convert}
 
 
 def warm_page_cache(paths: list[str]) -> None:
@@ -383,13 +411,17 @@ def warm_page_cache(paths: list[str]) -> None:
                         pass
 
 
-def run_child(name: str, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """One contender in a fresh interpreter; its figures, or its error with stderr's tail."""
+def run_child(
+    name: str, spec: dict[str, Any], timeout: float, python: str | None = None
+) -> dict[str, Any]:
+    """One contender in a fresh interpreter (``python``, else this one); its figures, or its
+    error with stderr's tail.
+    """
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, "--child", name, "--spec", json.dumps(spec),
+        cmd = [python or sys.executable, __file__, "--child", name, "--spec", json.dumps(spec),
                "--result", str(result)]  # fmt: skip
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -456,7 +488,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a child may take")
     p.add_argument("--data", default="slafload-bench/data/peers", help="where data is cached")
     p.add_argument("--out", default="slafload-bench/peers.json", help="JSON report (+ .png)")
+    p.add_argument("--python", action="append", default=[], metavar="PEER=PATH",
+                   help="run a peer (and its writer) in another interpreter, e.g. "
+                   "annbatch=/venv312/bin/python (annbatch needs Python >= 3.12)")  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--write", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p
@@ -474,7 +510,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load_at_start = os.getloadavg()  # other users of the machine: their load is the noise
     data = Path(args.data) / f"{args.cells}x{args.genes}"
     h5ad = make_h5ad(args, data)
-    paths, write_s, skipped = convert_all(h5ad, data, wanted)
+    pythons = dict(item.split("=", 1) for item in args.python)
+    if unknown := set(pythons) - set(CONTENDERS):
+        raise SystemExit(f"--python: unknown peers {sorted(unknown)}")
+    paths, write_s, skipped = convert_all(h5ad, data, wanted, pythons)
     for name in wanted:
         key = "slafload" if name in SLAFLOAD else name
         if key not in paths and name not in skipped:
@@ -496,7 +535,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            runs[name].append(run_child(name, spec_of(name), args.timeout))
+            runs[name].append(run_child(name, spec_of(name), args.timeout, pythons.get(name)))
             print(f"round {r + 1}/{args.rounds} {name}: "
                   f"{runs[name][-1].get('cells_per_s', runs[name][-1].get('error'))}",
                   file=sys.stderr)  # fmt: skip
@@ -513,6 +552,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "load_avg_start": load_at_start, "load_avg_end": os.getloadavg()},
         "machine": machine(),
         "labels": {n: LABELS[n] for n in names},
+        "interpreters": {n: pythons.get(n, sys.executable) for n in names},
         "random_entropy": random_entropy(plates),
         "results": results,
         "ratios": ratios,
@@ -546,7 +586,8 @@ def print_table(report: dict[str, Any]) -> None:
             continue
         print(f"{label:<64}{r['cells_per_s']:>9,.0f}{r['cpu_us_per_cell']:>12.1f}"
               f"{r['peak_rss_mb']:>12,.0f}{r['peak_above_torch_mb']:>12,.0f}"
-              f"{r['first_batch_s']:>12.2f}{r['plate_entropy']:>8.2f}")  # fmt: skip
+              f"{r['first_batch_s']:>12.2f}{r['plate_entropy']:>8.2f}"
+              f"{'' if r.get('torch_imported', True) else '  (no torch: above bare python)'}")  # fmt: skip
     for name, why in report["skipped"].items():
         print(f"{LABELS[name]:<64} skipped: {why}")
     for name, ratio in report["ratios"].items():
@@ -581,6 +622,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 if __name__ == "__main__":
     cli = parser().parse_args()
+    if cli.write:
+        WRITERS[cli.write](*(Path(p) for p in json.loads(cli.spec)))
+        sys.exit(0)
     if cli.child:
         figures = child(cli.child, json.loads(cli.spec))
         Path(cli.result).write_text(json.dumps(figures))
