@@ -148,17 +148,17 @@ def _slafdb(spec: dict[str, Any]) -> Iterator[Any]:
 
 
 def _annbatch(spec: dict[str, Any]) -> Iterator[Any]:
-    # Not run on the machine this script was written on (annbatch 0.3.x needs Python >= 3.12):
-    # written from annbatch's API (Loader, use_collection, batches of {"X", "obs", "index"}),
-    # and reported with its error if that has moved. Its collection is shuffled on write, so
-    # "index" is not the h5ad's row: it yields the plate labels of its batch's obs instead.
+    # Run with annbatch 0.3.1 in a Python 3.12 interpreter of its own (--python): its Loader's
+    # default chunks (512 cells x 32 preloaded), batches of {"X", "obs", "index"}. Its
+    # collection is shuffled on write, so "index" is not the h5ad's row: this yields the plate
+    # labels of each batch's obs instead.
     import annbatch  # type: ignore[import-not-found]
     import numpy as np
 
     _zarrs_codecs()
     loader = annbatch.Loader(
         batch_size=BATCH_SIZE, shuffle=True, rng=np.random.default_rng(0), preload_to_gpu=False,
-        to_torch="torch" in sys.modules,
+        to="torch" if "torch" in sys.modules else None,
     )  # fmt: skip
     loader.use_collection(annbatch.DatasetCollection(spec["path"]))
     while True:  # one iteration is one epoch
@@ -314,7 +314,10 @@ def _peer_error(module: str, python: str | None = None) -> str | None:
     import importlib
 
     if python is not None:
-        out = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
+        try:
+            out = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True)
+        except OSError as exc:
+            return f"cannot run {python}: {exc}"
         last = (out.stderr.strip().splitlines() or ["(no message)"])[-1]
         return None if out.returncode == 0 else f"`import {module}` fails in {python}: {last}"
     try:
@@ -392,9 +395,12 @@ def _write_in(python: str | None, peer: str, h5ad: Path, out: Path) -> None:
 
 def _annbatch_convert(h5ad: Path, out: Path) -> None:
     import annbatch
+    import numpy as np
 
     _zarrs_codecs()
-    annbatch.DatasetCollection(str(out)).add_adatas(adata_paths=[str(h5ad)], shuffle=True)
+    annbatch.DatasetCollection(str(out)).add_adatas(
+        adata_paths=[str(h5ad)], shuffle=True, rng=np.random.default_rng(0)
+    )
 
 
 WRITERS = {"annbatch": _annbatch_convert}

@@ -61,3 +61,11 @@ def test_ratios_are_medians_of_same_round_ratios_and_failed_runs_are_kept():
     # rounds 1 and 2 pair up (2.0 and 1.0); round 3 has no peer figure
     assert ratios["slafload-raw / scdataset"]["cells_per_s"] == 1.5
     assert "slafload-geneformer / scdataset" not in ratios
+
+
+def test_a_peer_that_its_interpreter_cannot_import_is_skipped_with_the_reason(tmp_path):
+    import sys
+
+    assert peers._peer_error("json", sys.executable) is None
+    assert "No module named" in peers._peer_error("no_such_peer_module", sys.executable)
+    assert "cannot run" in peers._peer_error("json", str(tmp_path / "no-python"))
