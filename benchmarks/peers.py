@@ -3,7 +3,8 @@
 One synthetic ``.h5ad`` (cells x genes, ~800 non-zeros a cell, cells stored plate by plate as in
 Tahoe-100M; built from :func:`slafload.synthetic.write_atlas`) is written once and converted by
 each peer's own writer: ``slafload convert`` (:func:`slafload.tools.convert.convert`), slafdb's
-``SLAFConverter``, annbatch's zarr collection writer (where annbatch imports); scDataset reads
+``SLAFConverter``, annbatch's zarr collection writer (where annbatch imports, in this
+interpreter or the one ``--python annbatch=PATH`` names); scDataset reads
 the backed ``.h5ad`` itself. Each contender then runs in a fresh process (``--child``) that
 imports torch first, as a training script does, and reports
 
@@ -28,6 +29,7 @@ file of every format is read once before the rounds.
 
     python benchmarks/peers.py                       # ~50k cells: a few minutes on 2 cores
     python benchmarks/peers.py --cells 200000 --rounds 3
+    python benchmarks/peers.py --python annbatch=/venv312/bin/python   # annbatch: Python >= 3.12
 
 Writes ``slafload-bench/peers.json`` and ``.png`` (``--out``); the data is cached under
 ``slafload-bench/data/`` (``--data``).
