@@ -1,0 +1,71 @@
+"""The peers benchmark (benchmarks/peers.py): its report's shape on a tiny atlas, and its ratios.
+
+Speed is never asserted: the end-to-end run only checks that every contender either ran in its
+own process and reported every figure, or was skipped with a reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import load_script
+
+peers = load_script("benchmarks/peers.py")
+
+FIGURES = {
+    "cells_per_s", "cpu_us_per_cell", "peak_rss_mb", "peak_above_torch_mb", "first_batch_s",
+    "plate_entropy", "rss_after_torch_mb", "rss_after_imports_mb", "import_s",
+}  # fmt: skip
+# every peer; one slafload contender is enough for the report's shape (each is a process)
+ONLY = ("slafload-raw", "scdataset", "slafdb", "annbatch")
+
+
+def test_the_benchmark_runs_every_contender_or_skips_it_with_a_reason(tmp_path):
+    pytest.importorskip("anndata")  # the shared input is an .h5ad
+    out = tmp_path / "peers.json"
+    report = peers.main([
+        "--cells", "400", "--genes", "200", "--plates", "4", "--nnz", "20", "--rounds", "1",
+        "--warm-cells", "64", "--min-cells", "256", "--data", str(tmp_path / "data"),
+        "--out", str(out), "--only", ",".join(ONLY),
+    ])  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert out.with_suffix(".png").exists()
+    ran, skipped = set(report["results"]), set(report["skipped"])
+    assert ran | skipped == set(ONLY) and not ran & skipped
+    assert "slafload-raw" in ran  # slafload is never skipped
+    assert all(isinstance(why, str) and why for why in report["skipped"].values())
+    for name, row in report["results"].items():
+        assert "errors" not in row, (name, row)
+        assert set(row) >= FIGURES and row["runs"] == 1
+        assert 0 <= row["plate_entropy"] <= math.log2(4)
+        assert row["peak_rss_mb"] >= row["peak_above_torch_mb"] > 0
+    assert 0 < report["random_entropy"] <= math.log2(4)
+    for peer in ran - {"slafload-raw"}:
+        ratio = report["ratios"][f"slafload-raw / {peer}"]
+        assert set(ratio) == {"cells_per_s", "peak_above_torch_mb", "first_batch_s"}
+
+
+def test_ratios_are_medians_of_same_round_ratios_and_failed_runs_are_kept():
+    def run(rate, rss=100.0, first=1.0):
+        return {"cells_per_s": rate, "peak_above_torch_mb": rss, "first_batch_s": first}
+
+    runs = {
+        "slafload-raw": [run(200), run(100), run(300)],
+        "scdataset": [run(100), run(100), {"error": "exit 1: boom"}],
+    }
+    results, ratios = peers.summarise(runs)
+    assert results["scdataset"]["runs"] == 2 and results["scdataset"]["errors"] == ["exit 1: boom"]
+    assert results["slafload-raw"]["cells_per_s"] == 200
+    # rounds 1 and 2 pair up (2.0 and 1.0); round 3 has no peer figure
+    assert ratios["slafload-raw / scdataset"]["cells_per_s"] == 1.5
+    assert "slafload-geneformer / scdataset" not in ratios
+
+
+def test_a_peer_that_its_interpreter_cannot_import_is_skipped_with_the_reason(tmp_path):
+    import sys
+
+    assert peers._peer_error("json", sys.executable) is None
+    assert "No module named" in peers._peer_error("no_such_peer_module", sys.executable)
+    assert "cannot run" in peers._peer_error("json", str(tmp_path / "no-python"))
