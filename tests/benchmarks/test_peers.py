@@ -22,6 +22,7 @@ FIGURES = {
 ONLY = ("slafload-raw", "scdataset", "slafdb", "annbatch")
 
 
+@pytest.mark.slow
 def test_the_benchmark_runs_every_contender_or_skips_it_with_a_reason(tmp_path):
     pytest.importorskip("anndata")  # the shared input is an .h5ad
     out = tmp_path / "peers.json"
