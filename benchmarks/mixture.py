@@ -11,7 +11,11 @@ amount of data. Reported:
 - the share of batches holding every source;
 - throughput (cells/s delivered as tensors, steady state after one warm-up batch) of the
   mixture and of the single-source loader on the same total data, interleaved rounds, median,
-  and the ratio; CPU time per cell beside it. Page cache warm (the data is read in round 0).
+  and the ratio; CPU time per cell beside it. Page cache warm (the data is read in round 0);
+- memory (``--memory-sources``, default 8): peak RSS of a fresh process streaming
+  ``--measure`` cells from one atlas, and from a 1:1:...:1 mixture of that many atlases of
+  ``--cells`` each, with torch and slafload imported before the baseline is read; the growth
+  over that baseline beside ``memory_budget``.
 
     python benchmarks/mixture.py                 # ~1 minute on 2 busy cores
     python benchmarks/mixture.py --cells 50000 --rounds 5
@@ -23,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +60,63 @@ def atlases(args) -> tuple[list[Path], Path]:
         return path
 
     return [atlas("a", args.cells, 1), atlas("b", args.cells, 2)], atlas("ab", 2 * args.cells, 3)
+
+
+def more_atlases(args, n: int) -> list[Path]:
+    """``n`` atlases of ``--cells`` each (the first two are the mixed pair), written once."""
+    paths = atlases(args)[0]
+    for i in range(len(paths), n):
+        path = Path(args.data) / f"{chr(ord('a') + i)}-{args.cells}-{args.genes}-{args.nnz}.slaf"
+        if not (path / "config.json").exists():
+            write_atlas(path, n_cells=args.cells, seed=i + 2, overwrite=True,
+                        n_genes=args.genes, mean_nnz=args.nnz)  # fmt: skip
+        paths.append(path)
+    return paths[:n]
+
+
+# Run in a fresh process: the peak RSS (VmHWM) is per process and never goes down.
+_MEMORY_CHILD = """
+import json, sys
+import torch  # a training script has it imported
+import slafload
+from slafload import Mixture
+
+def status(key):  # VmRSS now, VmHWM its peak (ru_maxrss would carry the parent's over exec)
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) << 10 for line in fh if line.startswith(key + ":"))
+
+paths, settings, cells = json.loads(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+epoch_cells = settings.pop("epoch_cells")
+baseline = status("VmRSS")
+source = paths[0] if len(paths) == 1 else Mixture(
+    paths, weights=[1] * len(paths), epoch_cells=epoch_cells)
+with slafload.Loader(source, n_epochs=None, **settings) as it:
+    got = 0
+    for batch in it:
+        got += len(batch["input_ids"])
+        if got >= cells:
+            break
+peak = status("VmHWM")
+print(json.dumps({"baseline_bytes": baseline, "peak_bytes": peak, "cells": got}))
+"""
+
+
+def memory(args) -> dict[str, Any]:
+    """Peak RSS of one source and of ``--memory-sources`` mixed, each in a fresh process."""
+    paths = [str(p) for p in more_atlases(args, args.memory_sources)]
+    settings = {"batch_size": args.batch_size, "max_genes": args.max_genes, "seed": args.seed,
+                "memory_budget": args.memory_budget,
+                "epoch_cells": args.memory_sources * args.cells}  # fmt: skip
+    env = {**os.environ, "MALLOC_ARENA_MAX": "2"}  # as tests/test_memory.py: arenas are noise
+    out: dict[str, Any] = {"malloc_arena_max": 2, "memory_budget": args.memory_budget}
+    for name, chosen in (("1 source", paths[:1]), (f"{len(paths)} sources", paths)):
+        cmd = [sys.executable, "-c", _MEMORY_CHILD, json.dumps(chosen), json.dumps(settings),
+               str(args.measure)]  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        got["growth_bytes"] = got["peak_bytes"] - got["baseline_bytes"]
+        out[name] = got
+    return out
 
 
 def loader(source, args, **options) -> slafload.Loader:
@@ -102,9 +166,16 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampler", choices=["default", "block"], default="default",
                    help="the loader's default sampler, or BlockShuffle(16, 64)")  # fmt: skip
+    p.add_argument("--memory-budget", type=int, default=512 << 20, help="bytes (the default)")
+    p.add_argument("--memory-sources", type=int, default=8,
+                   help="sources of the peak-RSS run (0: skip it)")  # fmt: skip
     p.add_argument("--data", default="/tmp/slafload-bench-mixture")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--memory-only", action="store_true", help="only the peak-RSS run")
     args = p.parse_args()
+    if args.memory_only:
+        print(json.dumps(memory(args), indent=2))
+        return
     paths, single = atlases(args)
     mixing = {mix: source_mix(paths, args, mix) for mix in ("cell", "batch")}
     runs: dict[str, list[tuple[float, float]]] = {"single": [], "mixture": []}
@@ -123,6 +194,7 @@ def main() -> None:
         "ratio_wall": med["mixture"][0] / med["single"][0],
         "ratio_cpu": med["single"][1] / med["mixture"][1],
         "runs": runs,
+        "memory": memory(args) if args.memory_sources > 1 else None,
         "page_cache": "warm",
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
     }
