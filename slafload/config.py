@@ -224,11 +224,15 @@ class LoaderConfig:
 _TUNED = ("memory_budget", "queue_depth", "read_ahead", "piece_cells", "first_read_cells",
           "read_threads", "check_rows", "retry")  # fmt: skip
 MOVED: dict[str, str] = {
-    **{name: f"tuning=Tuning({name}=...)" for name in _TUNED},
-    "read_batch_rows": "tuning=Tuning(batch_rows=...)",
-    "read_data_files": "tuning=Tuning(reader='lance') for Lance's reader everywhere",
-    "read_flat": "tuning=Tuning(reader='lance') for Lance's reader everywhere",
-    "read_mini_blocks": "tuning=Tuning(reader='lance') for Lance's reader everywhere",
+    **{name: f"moved, use tuning=Tuning({name}=...)" for name in _TUNED},
+    "read_batch_rows": "moved, use tuning=Tuning(batch_rows=...)",
+    "read_data_files": "removed, use tuning=Tuning(reader='lance') for Lance's reader "
+    "everywhere (the default, 'auto', reads directly where that is faster)",
+    **{
+        name: "removed (on wherever it applies), use tuning=Tuning(reader='lance') for "
+        "Lance's reader everywhere"
+        for name in ("read_flat", "read_mini_blocks")
+    },
 }
 """Settings of slafload 0.1 that ``Loader`` no longer takes, and what replaces each."""
 
@@ -241,8 +245,8 @@ def check_settings(settings: Mapping[str, object]) -> None:
     moved = {name: MOVED[name] for name in sorted(settings) if name in MOVED}
     if moved:
         raise TypeError(
-            "Loader no longer takes "
-            + "; ".join(f"{name}: use {use}" for name, use in moved.items())
+            "Loader no longer takes these settings: "
+            + "; ".join(f"{name}: {what}" for name, what in moved.items())
         )
     unknown = sorted(set(settings) - fields)
     if unknown:

@@ -1,4 +1,4 @@
-"""Rows checked once per loader (LoaderConfig.check_rows): a contiguous fetch of cells whose
+"""Rows checked once per loader (Tuning.check_rows): a contiguous fetch of cells whose
 rows were already compared with cell_start_index is read without cell_integer_id; the tokens
 are the same, and rows that fail the check fail loudly and are never marked checked."""
 

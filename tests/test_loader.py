@@ -257,13 +257,13 @@ def test_chunk_transforms_run_before_ranking(tmp_path):
 @pytest.mark.parametrize(
     ("setting", "replacement"),
     [
-        ("queue_depth", r"queue_depth: use tuning=Tuning\(queue_depth=...\)"),
-        ("read_ahead", r"read_ahead: use tuning=Tuning\(read_ahead=...\)"),
-        ("retry", r"retry: use tuning=Tuning\(retry=...\)"),
-        ("read_batch_rows", r"read_batch_rows: use tuning=Tuning\(batch_rows=...\)"),
-        ("read_data_files", r"read_data_files: use tuning=Tuning\(reader='lance'\)"),
-        ("read_flat", r"read_flat: use tuning=Tuning\(reader='lance'\)"),
-        ("read_mini_blocks", r"read_mini_blocks: use tuning=Tuning\(reader='lance'\)"),
+        ("queue_depth", r"queue_depth: moved, use tuning=Tuning\(queue_depth=...\)"),
+        ("read_ahead", r"read_ahead: moved, use tuning=Tuning\(read_ahead=...\)"),
+        ("retry", r"retry: moved, use tuning=Tuning\(retry=...\)"),
+        ("read_batch_rows", r"read_batch_rows: moved, use tuning=Tuning\(batch_rows=...\)"),
+        ("read_data_files", r"read_data_files: removed.*, use tuning=Tuning\(reader='lance'\)"),
+        ("read_flat", r"read_flat: removed.*, use tuning=Tuning\(reader='lance'\)"),
+        ("read_mini_blocks", r"read_mini_blocks: removed.*, use tuning=Tuning\(reader='lance'\)"),
     ],
 )
 def test_a_moved_or_removed_setting_names_its_replacement(small_slaf, setting, replacement):
