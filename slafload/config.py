@@ -124,7 +124,8 @@ class Tuning:
             that column afterwards (ChunkShuffle and Streaming from the second epoch on:
             about a fifth less decoding). Scattered block reads always carry it. The row
             count of every fetch, gene ids and values are checked on every read either way.
-            ``"always"`` is for a table that other writers may rewrite in place.
+            ``"always"`` checks every read, for storage you do not trust to return the same
+            bytes twice.
         retry: Retries of a fetch after a transient storage failure.
         reader: ``"auto"`` (default) or ``"lance"``. ``"auto"`` reads scattered ranges with
             slafload's direct reader where that is measured faster (``slafload/_lance/``:
@@ -133,8 +134,11 @@ class Tuning:
             and with Lance's ``take_scan`` elsewhere
             (:func:`~slafload._lance.data_files.direct_by_default`). ``"lance"`` leaves every
             read to Lance's own reader: set it if the direct reader misbehaves on your tables
-            (an error raised from ``slafload/_lance/``, or a Lance release whose files it does
-            not know), at the cost of slower block sampling. Both return the same rows.
+            (an error raised from ``slafload/_lance/`` that Lance's own reader does not
+            raise), at the cost of slower block sampling. Tables and files the direct reader
+            does not handle fall back to Lance by themselves (a
+            :class:`~slafload.errors.ReaderFallbackWarning` says why). Both return the same
+            rows.
     """
 
     memory_budget: int = 512 << 20
