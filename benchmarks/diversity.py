@@ -58,7 +58,7 @@ def run(
         obs_columns=["plate"],
         n_epochs=None,
         seed=args.seed,
-        read_ahead=read_ahead,
+        tuning=slafload.Tuning(read_ahead=read_ahead),
     ) as loader:
         for batch in loader:
             plates = batch["plate"].numpy()

@@ -82,8 +82,11 @@ def fetch_cells(spec: str, batch_size: int) -> int:
 
 def make_loader(dataset, args: argparse.Namespace, settings: dict[str, Any]):
     """An endless, seeded :class:`slafload.Loader` of ``args.spec`` over ``dataset``."""
+    from slafload.config import Tuning
     from slafload.loader import Loader  # imports torch, as a training script has already
 
+    if "tuning" in settings:  # JSON: the Tuning's fields as an object
+        settings = {**settings, "tuning": Tuning(**settings["tuning"])}
     return Loader(
         dataset,
         sampler=sampler_of(args.spec, args.batch_size),
@@ -213,7 +216,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seconds", type=float, default=30, help="...or this long, if shorter")
     p.add_argument("--repeat", type=int, default=1, help="runs per contender (medians)")
     p.add_argument("--child-timeout", type=float, default=240)
-    p.add_argument("--settings", default="{}", help="LoaderConfig settings as JSON")
+    p.add_argument(
+        "--settings",
+        default="{}",
+        help='LoaderConfig settings as JSON; tuning as an object, e.g. {"tuning": {"read_ahead": 0}}',
+    )
     p.add_argument("--plan-cells", default="100000000,1000000000", help='"" plans none')
     p.add_argument("--note", default="", help="what else ran on the machine")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"))

@@ -5,7 +5,7 @@ modules, from ``Loader(...)`` to the training loop)::
 
     loader.py       Loader: the front end a training loop iterates; knows epochs and resume
     torch_data.py   SlafIterableDataset: the face for code built around DataLoader
-    config.py       LoaderConfig, RetryPolicy
+    config.py       LoaderConfig, Tuning, RetryPolicy
     errors.py       every exception class
     types.py        the contracts between stages (Fetch, Plan, Chunk, RankedChunk, Batch...)
     kernels.py      compiled (numba) per-cell loops, numpy otherwise; warm_up()
@@ -26,7 +26,7 @@ modules, from ``Loader(...)`` to the training loop)::
 from typing import TYPE_CHECKING, Any
 
 from slafload import diversity, samplers, synthetic
-from slafload.config import LoaderConfig, RetryPolicy
+from slafload.config import LoaderConfig, RetryPolicy, Tuning
 from slafload.data.dataset import SlafDataset, open_dataset
 from slafload.data.mixture import Mixture, Source
 from slafload.errors import (
@@ -93,6 +93,7 @@ __all__ = [
     "Source",
     "StateError",
     "Tokenizer",
+    "Tuning",
     "VocabularyError",
     "__version__",
     "available_tokenizers",

@@ -25,3 +25,9 @@ def check_int(
     else:
         want = f"an integer >= {low}"
     raise ValueError(f"{name} must be {want}{' or None' if none_ok else ''}, got {value!r}")
+
+
+def check_choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")

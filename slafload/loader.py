@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from slafload.config import LoaderConfig
+from slafload.config import LoaderConfig, check_settings
 from slafload.data.dataset import SlafDataset
 from slafload.data.mixture import Mixture, open_source
 from slafload.distributed import resolve_rank
@@ -64,7 +64,11 @@ class Loader:
         obs_columns: Obs columns added to every batch as ``int64`` codes aligned with the
             cells; ``loader.obs_categories[name]`` maps codes back to categories.
         **settings: Fields of :class:`LoaderConfig` (``batch_size``, ``max_genes``, ``seed``,
-            ``n_epochs``, ``shuffle``, ``drop_last``, ``chunk_cells``, ``queue_depth``...).
+            ``n_epochs``, ``shuffle``, ``drop_last``, ``chunk_cells``, ``layout``...), and
+            ``tuning``, a :class:`~slafload.config.Tuning` of resource limits and read tuning
+            (``queue_depth``, ``read_ahead``, ``memory_budget``...). A setting of slafload 0.1
+            that moved into :class:`~slafload.config.Tuning` or was removed raises
+            ``TypeError`` naming its replacement.
 
     Each batch holds the tokenizer's arrays (``input_ids``, ``attention_mask``, ...) and
     ``cell_integer_id``; ``layout="longest"`` pads them only to the batch's longest cell and
@@ -92,12 +96,7 @@ class Loader:
         world_size: int | None = None,
         **settings: Any,
     ):
-        unknown = set(settings) - set(LoaderConfig.__dataclass_fields__)
-        if unknown:
-            raise TypeError(
-                f"Loader got unknown settings {sorted(unknown)}; allowed: "
-                f"{sorted(LoaderConfig.__dataclass_fields__)}"
-            )
+        check_settings(settings)
         self.config = LoaderConfig(**settings)
         self.dataset = open_source(dataset, weights=weights, vocabulary=vocabulary)
         mixture = isinstance(self.dataset, Mixture)
@@ -170,7 +169,7 @@ class Loader:
                 sampler,
                 lambda s: bind_batch_size(s, batch_size),
                 batch_size,
-                self.config.memory_budget,
+                self.config.tuning.memory_budget,
             )
             transforms = (self.dataset.transform, *transforms)
             obs.update(self.dataset.cell_columns())
@@ -312,7 +311,7 @@ class _LoaderIterator(Iterator[Batch]):
         start, run = loader.position, loader._run
         self._prefetcher: Prefetcher[Delivery] = Prefetcher(
             lambda stop: run.run(start, sleep=stop.wait),  # a retry backoff ends on close()
-            depth=loader.config.queue_depth,
+            depth=loader.config.tuning.queue_depth,
         )
         self._device = loader.device
         self._non_blocking = loader.pin_memory

@@ -272,6 +272,23 @@ def flat_opens(monkeypatch) -> list:
     return opened
 
 
+@pytest.fixture
+def read_paths(monkeypatch):
+    """Forces the read path of every loader chain built afterwards in the test:
+    ``read_paths(flat=False)`` (Lance's file reader on the direct path), ``read_paths(mini=False)``
+    or ``read_paths(direct=True)`` set those :class:`~slafload.pipeline.reader.ReadOptions` fields,
+    which are not loader settings (``Tuning.reader`` chooses between "auto" and "lance" only).
+    """
+    from slafload.pipeline import chain
+
+    real = chain.ReadOptions
+
+    def force(**paths) -> None:
+        monkeypatch.setattr(chain, "ReadOptions", lambda **kw: real(**{**kw, **paths}))
+
+    return force
+
+
 def run_cells(batches) -> list[tuple[int, int]]:
     """A mixture's delivered cells as ``(source, cell_integer_id)``, in delivery order."""
     return [

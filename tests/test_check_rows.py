@@ -1,4 +1,4 @@
-"""Rows checked once per loader (LoaderConfig.check_rows): a contiguous fetch of cells whose
+"""Rows checked once per loader (Tuning.check_rows): a contiguous fetch of cells whose
 rows were already compared with cell_start_index is read without cell_integer_id; the tokens
 are the same, and rows that fail the check fail loudly and are never marked checked."""
 
@@ -12,7 +12,7 @@ import torch
 from conftest import random_counts, write_dense
 
 import slafload.pipeline.reader
-from slafload import InconsistentDataError, Loader, LoaderConfig, open_dataset
+from slafload import InconsistentDataError, Loader, LoaderConfig, Tuning, open_dataset
 from slafload.pipeline.chunk import Assemble
 from slafload.pipeline.partition import Part
 from slafload.pipeline.ranges import RangeSet
@@ -101,7 +101,7 @@ def test_a_loader_reads_each_cell_with_its_ids_once_then_without_and_delivers_th
 ):
     sampler = ChunkShuffle(chunk_cells=48)
     always = batches(dataset, tokenizer=tokenizer, sampler=sampler, n_epochs=3,
-                     check_rows="always")  # fmt: skip
+                     tuning=Tuning(check_rows="always"))  # fmt: skip
     calls = recorded_reads(monkeypatch)
     once = batches(dataset, tokenizer=tokenizer, sampler=sampler, n_epochs=3)
     assert len(once) == len(always)
@@ -123,7 +123,12 @@ def test_a_loader_reads_each_cell_with_its_ids_once_then_without_and_delivers_th
 
 def test_check_rows_always_and_block_sampling_read_the_cell_ids_every_time(dataset, monkeypatch):
     calls = recorded_reads(monkeypatch)
-    batches(dataset, sampler=ChunkShuffle(chunk_cells=48), n_epochs=2, check_rows="always")
+    batches(
+        dataset,
+        sampler=ChunkShuffle(chunk_cells=48),
+        n_epochs=2,
+        tuning=Tuning(check_rows="always"),
+    )
     assert calls and all(cell_ids for _, cell_ids in calls)
     calls.clear()
     batches(dataset, sampler=BlockShuffle(block_size=4, fetch_factor=8), n_epochs=2)
@@ -135,7 +140,7 @@ def test_a_mixture_reads_its_sources_without_cell_ids_after_the_first_epoch(tmp_
     a = write_dense(tmp_path / "a.slaf", random_counts(90, 20, seed=1), max_rows_per_file=200)
     b = write_dense(tmp_path / "b.slaf", random_counts(70, 20, seed=2), max_rows_per_file=200)
     options = {"batch_size": 16, "max_genes": 10, "chunk_cells": 24, "n_epochs": 2}
-    with Loader([a, b], check_rows="always", **options) as loader:
+    with Loader([a, b], tuning=Tuning(check_rows="always"), **options) as loader:
         always = list(loader)
     calls = recorded_reads(monkeypatch)
     with Loader([a, b], **options) as loader:
@@ -164,6 +169,6 @@ def test_rows_that_fail_the_check_raise_and_are_not_marked_checked(tmp_path):
 
 
 def test_check_rows_takes_once_or_always():
-    assert LoaderConfig().check_rows == "once"
+    assert LoaderConfig().tuning.check_rows == "once"
     with pytest.raises(ValueError, match="check_rows must be one of"):
-        LoaderConfig(check_rows="never")
+        Tuning(check_rows="never")

@@ -56,7 +56,7 @@ logging.getLogger("slafload").addHandler(Keep())
 import slafload
 settings = dict(kernels="auto", batch_size=16, max_genes=32, n_epochs=1, seed=0)
 report = {}
-loader = slafload.Loader(sys.argv[1], queue_depth=1, **settings)  # the run stays open
+loader = slafload.Loader(sys.argv[1], tuning=slafload.Tuning(queue_depth=1), **settings)  # the run stays open
 it = iter(loader)
 next(it)
 deadline = time.monotonic() + 120

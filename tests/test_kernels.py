@@ -173,7 +173,7 @@ def atlas(tmp_path_factory):
 
 
 def batches(ds, tokenizer: str, layout: str, kernels: str) -> list[dict]:
-    opts = dict(batch_size=48, max_genes=96, seed=4, n_epochs=2, piece_cells=256,
+    opts = dict(batch_size=48, max_genes=96, seed=4, n_epochs=2, tuning=slafload.Tuning(piece_cells=256),
                 chunk_cells=512, layout=layout, kernels=kernels)  # fmt: skip
     with slafload.Loader(ds, tokenizer=tokenizer, **opts) as loader:
         return [{k: v.clone() for k, v in b.items()} for b in loader]

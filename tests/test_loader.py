@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import geneformer_reference, random_counts, write_dense
 
-from slafload import Loader, LoaderConfig, open_dataset
-from slafload.samplers import Streaming
+from slafload import Loader, LoaderConfig, Tuning, open_dataset
+from slafload.pipeline import chain
+from slafload.samplers import BlockShuffle, Streaming
 
 pytestmark = pytest.mark.usefixtures("no_thread_leak")
 
@@ -79,7 +80,9 @@ def test_endless_loader_keeps_going_across_epochs(small_slaf):
 
 
 def test_a_slow_consumer_never_loses_a_batch(small_slaf):
-    with Loader(small_slaf, batch_size=5, queue_depth=2, chunk_cells=64, max_genes=4) as loader:
+    with Loader(
+        small_slaf, batch_size=5, tuning=Tuning(queue_depth=2), chunk_cells=64, max_genes=4
+    ) as loader:
         seen = []
         for batch in loader:
             seen.append(batch["cell_integer_id"].numpy())
@@ -89,7 +92,7 @@ def test_a_slow_consumer_never_loses_a_batch(small_slaf):
 
 
 def test_breaking_out_then_iterating_again_resumes_without_loss(small_slaf):
-    with Loader(small_slaf, batch_size=10, chunk_cells=64, queue_depth=16) as loader:
+    with Loader(small_slaf, batch_size=10, chunk_cells=64, tuning=Tuning(queue_depth=16)) as loader:
         it = iter(loader)
         first = [next(it)["cell_integer_id"].numpy() for _ in range(4)]
         time.sleep(0.2)  # let the producer run ahead; prefetched batches must not be lost
@@ -153,7 +156,7 @@ def test_closing_leaves_no_live_thread(small_slaf, how):
     def producers():
         return [t for t in threading.enumerate() if t.name == "slafload-producer"]
 
-    loader = Loader(small_slaf, batch_size=2, queue_depth=1, chunk_cells=32)
+    loader = Loader(small_slaf, batch_size=2, tuning=Tuning(queue_depth=1), chunk_cells=32)
     if how == "with":
         with loader:
             next(iter(loader))
@@ -167,7 +170,7 @@ def test_closing_leaves_no_live_thread(small_slaf, how):
 
 
 def test_dropping_an_iterator_stops_its_thread(small_slaf):
-    loader = Loader(small_slaf, batch_size=2, queue_depth=1, chunk_cells=32)
+    loader = Loader(small_slaf, batch_size=2, tuning=Tuning(queue_depth=1), chunk_cells=32)
     it = iter(loader)
     next(it)
     loader._active = None  # the only other reference
@@ -180,12 +183,14 @@ def test_settings_are_validated_with_clear_messages(small_slaf):
         Loader(small_slaf, batch_size=0)
     with pytest.raises(ValueError, match="n_epochs must be a positive integer or None"):
         LoaderConfig(n_epochs=0)
-    with pytest.raises(ValueError, match="read_data_files must be None, True or False"):
-        LoaderConfig(read_data_files="yes")
-    with pytest.raises(ValueError, match="read_flat must be True or False"):
-        LoaderConfig(read_flat="yes")
-    with pytest.raises(ValueError, match="read_mini_blocks must be True or False"):
-        LoaderConfig(read_mini_blocks=1)
+    with pytest.raises(ValueError, match=r"reader must be one of \('auto', 'lance'\), got 'yes'"):
+        Tuning(reader="yes")
+    with pytest.raises(ValueError, match=r"read_threads must be an integer in \[1, 256\] or None"):
+        Tuning(read_threads=0)
+    with pytest.raises(ValueError, match="queue_depth must be a positive integer, got 0"):
+        Loader(small_slaf, tuning=Tuning(queue_depth=0))
+    with pytest.raises(ValueError, match="tuning must be a Tuning, got"):
+        Loader(small_slaf, tuning={"read_ahead": 0})
     with pytest.raises(TypeError, match="unknown settings \\['batchsize'\\]"):
         Loader(small_slaf, batchsize=3)
     with pytest.raises(TypeError, match="sampler must implement plan"):
@@ -247,3 +252,60 @@ def test_chunk_transforms_run_before_ranking(tmp_path):
         n = int(batch["lengths"][row])
         got = batch["values"][row, :n].numpy()
         np.testing.assert_array_equal(got, np.sort(100.0 - dense[cell][dense[cell] > 0])[::-1])
+
+
+@pytest.mark.parametrize(
+    ("setting", "replacement"),
+    [
+        ("queue_depth", r"queue_depth: moved, use tuning=Tuning\(queue_depth=...\)"),
+        ("read_ahead", r"read_ahead: moved, use tuning=Tuning\(read_ahead=...\)"),
+        ("retry", r"retry: moved, use tuning=Tuning\(retry=...\)"),
+        ("read_batch_rows", r"read_batch_rows: moved, use tuning=Tuning\(batch_rows=...\)"),
+        ("read_data_files", r"read_data_files: removed.*, use tuning=Tuning\(reader='lance'\)"),
+        ("read_flat", r"read_flat: removed.*, use tuning=Tuning\(reader='lance'\)"),
+        ("read_mini_blocks", r"read_mini_blocks: removed.*, use tuning=Tuning\(reader='lance'\)"),
+    ],
+)
+def test_a_moved_or_removed_setting_names_its_replacement(small_slaf, setting, replacement):
+    with pytest.raises(TypeError, match=replacement):
+        Loader(small_slaf, **{setting: 1})
+
+
+def test_the_user_settings_come_first_and_the_tuning_is_one_nested_object():
+    fields = list(LoaderConfig.__dataclass_fields__)
+    assert fields[:4] == ["batch_size", "max_genes", "seed", "n_epochs"]
+    assert fields[-1] == "tuning" and LoaderConfig().tuning == Tuning()
+
+
+def test_lances_reader_everywhere_delivers_the_same_batches(small_slaf, monkeypatch):
+    sampler = BlockShuffle(block_size=3, fetch_factor=4)
+    real, options = chain.ReadOptions, []
+    monkeypatch.setattr(
+        chain, "ReadOptions", lambda **kw: options.append(real(**kw)) or options[-1]
+    )
+
+    def run(tuning: Tuning) -> list[np.ndarray]:
+        with Loader(small_slaf, sampler=sampler, batch_size=16, max_genes=8, tuning=tuning) as ld:
+            assert ld._run.spec.config.tuning is tuning
+            return [b["input_ids"].numpy() for b in ld]
+
+    auto, lance = run(Tuning()), run(Tuning(reader="lance"))
+    assert [o.direct for o in options] == [None, False]  # decided by storage; take_scan
+    assert len(auto) == len(lance) > 0
+    for a, b in zip(auto, lance, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_loads_into_a_loader_with_other_tuning(small_slaf):
+    with Loader(small_slaf, batch_size=10, chunk_cells=64, seed=3) as loader:
+        it = iter(loader)
+        head = [next(it)["cell_integer_id"].numpy() for _ in range(4)]
+        state = loader.state_dict()
+        rest = [b["cell_integer_id"].numpy() for b in it]
+    tuning = Tuning(read_ahead=0, queue_depth=2, piece_cells=7, memory_budget=1 << 16)
+    with Loader(small_slaf, batch_size=10, chunk_cells=64, seed=3, tuning=tuning) as loader:
+        loader.load_state_dict(state)
+        resumed = [b["cell_integer_id"].numpy() for b in loader]
+    assert head and len(resumed) == len(rest)
+    for a, b in zip(resumed, rest, strict=True):
+        np.testing.assert_array_equal(a, b)

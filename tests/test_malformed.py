@@ -35,7 +35,7 @@ from slafload import (
     SchemaError,
     open_dataset,
 )
-from slafload.config import RetryPolicy
+from slafload.config import RetryPolicy, Tuning
 from slafload.tools.writer import write_slaf
 
 N_CELLS, N_GENES = 30, 10
@@ -323,7 +323,9 @@ def _within(seconds: float, action: Callable[[], None]) -> BaseException | None:
 
 def _read_all(path: Path) -> None:
     ds = open_dataset(path)
-    with Loader(ds, batch_size=8, shuffle=False, retry=RetryPolicy(attempts=1)) as loader:
+    with Loader(
+        ds, batch_size=8, shuffle=False, tuning=Tuning(retry=RetryPolicy(attempts=1))
+    ) as loader:
         for _ in loader:
             pass
 

@@ -23,12 +23,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 MiB = 1 << 20
-SETTINGS = {"chunk_cells": 1024, "batch_size": 128, "max_genes": 64, "queue_depth": 4}
+SETTINGS = {"chunk_cells": 1024, "batch_size": 128, "max_genes": 64}
+TUNING = {"queue_depth": 4}
 
 _EPOCHS = textwrap.dedent(
     """
     import json, os, sys
-    from slafload import Loader
+    from slafload import Loader, Tuning
 
     page = os.sysconf("SC_PAGE_SIZE")
 
@@ -37,6 +38,7 @@ _EPOCHS = textwrap.dedent(
             return int(fh.read().split()[1]) * page
 
     settings, runs = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    settings["tuning"] = Tuning(**settings["tuning"])
     result = {}
     for path, epochs in runs:
         with Loader(path, n_epochs=1, **settings) as loader:
@@ -62,7 +64,7 @@ def run_epochs(runs: list[tuple[Path, int]]) -> dict[str, dict]:
             sys.executable,
             "-c",
             _EPOCHS,
-            json.dumps(SETTINGS),
+            json.dumps({**SETTINGS, "tuning": TUNING}),
             json.dumps([(str(p), n) for p, n in runs]),
         ],
         capture_output=True,

@@ -10,7 +10,7 @@ import torch
 from conftest import append_cell, random_counts, write_dense
 from resume_conformance import assert_resumes_exactly, assert_torch_dataset_resumes_exactly
 
-from slafload import Loader, StateError, open_dataset
+from slafload import Loader, StateError, Tuning, open_dataset
 from slafload.samplers import (
     BlockShuffle,
     ChunkShuffle,
@@ -59,7 +59,7 @@ def test_resume_at_random_midpoints_equals_an_uninterrupted_run(atlas, sampler, 
             max_genes=8,
             n_epochs=2,
             drop_last=drop_last,
-            queue_depth=4,
+            tuning=Tuning(queue_depth=4),
         ),
         midpoints=20,
     )

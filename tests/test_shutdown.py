@@ -18,7 +18,7 @@ import weakref
 import pytest
 from conftest import random_counts, write_dense
 
-from slafload import Loader, open_dataset
+from slafload import Loader, Tuning, open_dataset
 
 CHUNK = 2048  # cells per chunk: ~0.12 M expression rows to rank and tokenize
 N_CHUNKS = 6
@@ -57,7 +57,7 @@ def busy_loader(dataset, signal: ChunkSignal) -> Loader:
         chunk_cells=CHUNK,
         batch_size=64,
         max_genes=256,
-        queue_depth=N_CHUNKS * CHUNK // 64,  # room for all: only a stop request stops it
+        tuning=Tuning(queue_depth=N_CHUNKS * CHUNK // 64),  # room for all: only stop stops it
         transforms=[signal],
     )
 

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from slafload import Loader
+from slafload import Loader, Tuning
 from slafload.kernels import numba_available
 from slafload.tools.writer import CsrBlock, write_slaf
 
@@ -162,7 +162,7 @@ def test_every_cell_near_the_width_gets_the_references_tokens_mask_and_count(
     seen = []
     # Pieces of 8 cells: reused row buffers are re-padded from piece to piece.
     with Loader(edge.path, tokenizer=tokenizer, max_genes=edge.max_genes, layout=layout,
-                token_dtype=token_dtype, **MAKERS[maker], batch_size=4, chunk_cells=8, piece_cells=8,
+                token_dtype=token_dtype, **MAKERS[maker], batch_size=4, chunk_cells=8, tuning=Tuning(piece_cells=8),
                 seed=3) as loader:  # fmt: skip
         for batch in loader:
             seen += check_batch(batch, edge, tokenizer, layout, token_dtype)

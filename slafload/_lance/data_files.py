@@ -95,7 +95,7 @@ def is_remote(uri: str) -> bool:
 
 def direct_by_default(expression: lance.LanceDataset) -> bool:
     """Whether scattered ranges of ``expression`` are read through kept-open file readers
-    when ``LoaderConfig.read_data_files`` is left to decide: on local storage, and on an
+    when ``Tuning.reader`` is ``"auto"``: on local storage, and on an
     object store when every data file is in Lance's 2.0 format.
 
     A pylance file reader keeps no cache of page metadata, so on an object store each range

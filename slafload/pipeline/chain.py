@@ -57,7 +57,7 @@ class ChainSpec:
         obs: Obs column name to ``int64`` code per cell, added to every batch.
         pin_memory: Pin each batch's tensors on the producer thread.
         checked: Cells whose rows the loader's chains have checked against
-            ``cell_start_index`` (``LoaderConfig.check_rows``); kept by the spec, so the
+            ``cell_start_index`` (``Tuning.check_rows``); kept by the spec, so the
             chains of later epochs read them without ``cell_integer_id``.
     """
 
@@ -125,36 +125,35 @@ def build_chain(
             epoch delivers, in order (no batch spans two epochs); ``None``: one epoch.
     """
     cfg, ds = spec.config, spec.dataset
+    tuning = cfg.tuning
     lance_reader = ds.reader(
         ReadOptions(
-            batch_rows=cfg.read_batch_rows,
-            direct=cfg.read_data_files,
-            threads=cfg.read_threads,
-            flat=cfg.read_flat,
-            mini=cfg.read_mini_blocks,
+            batch_rows=tuning.batch_rows,
+            direct=False if tuning.reader == "lance" else None,
+            threads=tuning.read_threads,
             kernels=spec.kernels,
-            pool=BytePool(keep=cfg.memory_budget // 2),  # flat reads' buffers, in the budget
+            pool=BytePool(keep=tuning.memory_budget // 2),  # flat reads' buffers, in the budget
         )
     )
-    reader = RetryingReader(lance_reader, cfg.retry, uri=ds.uri, sleep=sleep)
-    checked = spec.checked if cfg.check_rows == "once" else None
+    reader = RetryingReader(lance_reader, tuning.retry, uri=ds.uri, sleep=sleep)
+    checked = spec.checked if tuning.check_rows == "once" else None
     # The run's first part is read as its first few output cells, then the rest: the first
     # batch waits for a handful of cells, not a whole fetch (same cells, same order).
-    parts = split_first(parts, max(cfg.first_read_cells, cfg.batch_size))
+    parts = split_first(parts, max(tuning.first_read_cells, cfg.batch_size))
     read = Read(
         parts,
         reader,
         ds.cell_start,
         row_bytes=ds.row_bytes(COLUMNS),
-        read_ahead=cfg.read_ahead,
-        memory_budget=cfg.memory_budget,
+        read_ahead=tuning.read_ahead,
+        memory_budget=tuning.memory_budget,
         checked=checked,
     )
     s: Stage[Any] = observe("read", read)
     s = observe("assemble", Assemble(s, ds, checked))  # type: ignore[arg-type]  # duck-typed
     s = observe("shuffle", Shuffle(s))
     s = observe("transform", Transform(s, spec.transforms))
-    s = observe("split", Split(s, cfg.piece_cells))
+    s = observe("split", Split(s, tuning.piece_cells))
     s = observe("rank", RankGenes(s, start=spec.tokens.start, lookahead=1))
     s = observe("tokenize", Tokenize(s, spec.tokens, spec.obs))
     s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last, epochs=epochs))

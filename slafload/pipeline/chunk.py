@@ -264,7 +264,7 @@ class Assemble(Stage[tuple[Part, Chunk]]):
     A part read in several groups is assembled group by group (each group's Arrow data is
     released once it is assembled), then the groups' chunks are joined. A group of one
     contiguous cell range whose rows pass the check is added to ``checked`` (the read stage
-    then reads those cells without ``cell_integer_id``: ``LoaderConfig.check_rows``).
+    then reads those cells without ``cell_integer_id``: ``Tuning.check_rows``).
     """
 
     def __init__(

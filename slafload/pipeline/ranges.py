@@ -103,7 +103,7 @@ class RangeSet:
     """A growing set of integers held as sorted, disjoint, merged ranges ``[start, stop)``.
 
     The read and chunk stages keep the cell ranges whose rows have been checked against
-    ``cell_start_index`` in one (``LoaderConfig.check_rows``). Its size is the number of
+    ``cell_start_index`` in one (``Tuning.check_rows``). Its size is the number of
     separate runs added, not of integers: contiguous reads merge as they meet (one run once an
     epoch of :class:`~slafload.samplers.ChunkShuffle` fetches has been added), and at most one
     run per fetch of an epoch in between. At most ``max_runs`` runs are held (a few MB of

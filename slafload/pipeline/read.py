@@ -152,11 +152,11 @@ class RetryingReader:
             else f"failed with a non-transient {type(cause).__name__}: {cause}"
         )
         fix = (
-            "Check that the storage is reachable, or raise LoaderConfig.retry.attempts / "
+            "Check that the storage is reachable, or raise Tuning.retry.attempts / "
             "max_backoff for a flaky store."
             if transient
             else "Check the dataset files; add the exception class to "
-            "LoaderConfig.retry.transient if it is worth retrying."
+            "Tuning.retry.transient if it is worth retrying."
         )
         return ReadError(
             f"Reading fetch {fetch.index} (cells {describe(fetch.ranges, 8)}) from {self.uri!r} "
@@ -220,7 +220,7 @@ class Read(Stage[Group]):
     raised, only when its turn comes too.
 
     ``checked`` holds the cells whose rows the chunk stage has checked against
-    ``cell_start_index`` (``LoaderConfig.check_rows="once"``): a group of one contiguous range
+    ``cell_start_index`` (``Tuning.check_rows="once"``): a group of one contiguous range
     of such cells is read without ``cell_integer_id``. ``None`` reads it every time.
     """
 

@@ -67,8 +67,10 @@ COMPACT_FROM = 8  # spans reading this many times their wanted rows keep only th
 
 @dataclass(frozen=True, eq=False)
 class ReadOptions:
-    """How a :class:`Reader` reads: the loader's ``read_*`` settings and what it shares with
-    its readers (a mixture hands the same options to every source's reader).
+    """How a :class:`Reader` reads: the loader's read tuning (:class:`~slafload.config.Tuning`)
+    and what it shares with its readers (a mixture hands the same options to every source's
+    reader). ``Tuning.reader="lance"`` sets ``direct=False``; ``flat``, ``mini`` and ``direct=True``
+    are not loader settings, and tests that compare read paths set them here.
 
     Attributes:
         batch_rows: Rows per Arrow record batch requested from Lance.

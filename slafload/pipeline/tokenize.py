@@ -67,6 +67,6 @@ def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernel
     return HostTokens(
         tokenizer,
         layout,
-        RowBuffers(rows=config.piece_cells),
+        RowBuffers(rows=config.tuning.piece_cells),
         kernels,
     )

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import itertools
 import json
@@ -55,6 +54,7 @@ import numpy as np
 
 import slafload
 from slafload._lance._compat import data_file_path
+from slafload.config import Tuning
 from slafload.kernels import Kernels
 from slafload.pipeline.chain import ChainSpec, build_chain
 from slafload.pipeline.epochs import Run
@@ -276,7 +276,7 @@ def warm_kernels(ds: slafload.SlafDataset, tokenizers: Sequence[str], args) -> f
             with slafload.Loader(
                 ds, tokenizer=tok, tokenizer_options=options, batch_size=args.batch_size,
                 max_genes=args.max_genes, n_epochs=None, layout=layout,
-                token_dtype=args.token_dtype, kernels="numba", piece_cells=256, chunk_cells=256,
+                token_dtype=args.token_dtype, kernels="numba", chunk_cells=256, tuning=Tuning(piece_cells=256),
             ) as loader:  # fmt: skip
                 next(iter(loader))
     return time.perf_counter() - start
@@ -423,8 +423,9 @@ def profile_stages(ds, tokenizer_name: str, args, n_batches: int = 400) -> dict[
     tokenizing, one piece ahead) do on their own threads counts only where the producer waits
     for it: under ``rank``.
     """
-    config = slafload.LoaderConfig(batch_size=args.batch_size, max_genes=args.max_genes)
-    config = dataclasses.replace(config, read_ahead=0)
+    config = slafload.LoaderConfig(
+        batch_size=args.batch_size, max_genes=args.max_genes, tuning=Tuning(read_ahead=0)
+    )
     if tokenizer_name in PRESETS:  # a model's tokenizer and its transforms (gene mapping...)
         preset = make_preset(tokenizer_name, ds, **preset_options(ds, tokenizer_name))
         spec = ChainSpec(ds, preset.tokenizer, config, transforms=tuple(preset.transforms))
@@ -539,7 +540,7 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
         "--check-rows",
         default="once",
         choices=["once", "always"],
-        help="LoaderConfig.check_rows of slafload's runs ('always': compare every row's "
+        help="Tuning.check_rows of slafload's runs ('always': compare every row's "
         "cell_integer_id on every read, as 0.1 did)",
     )
     p.add_argument(
@@ -594,7 +595,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> dict[str, An
         return timed_runs(label, run, repeats, warmup=warmup, floor=scan)
 
     def ours_run(tok: str, layout: str = "padded", **settings: Any) -> Callable[[Clock], int]:
-        settings = {"check_rows": args.check_rows, "kernels": args.kernels, **settings}
+        tuning = Tuning(check_rows=args.check_rows)
+        settings = {"tuning": tuning, "kernels": args.kernels, **settings}
         return lambda clock: slafload_run(ds, tok, args, until, clock, layout, **settings)
 
     ours = BUILTINS + (() if args.no_presets else PRESETS)

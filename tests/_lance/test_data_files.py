@@ -156,14 +156,17 @@ def test_pieces_cut_ranges_at_file_boundaries():
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_direct_reads_in_a_loader_deliver_the_same_batches(dataset, threads):
-    from slafload import Loader
+def test_direct_reads_in_a_loader_deliver_the_same_batches(dataset, threads, read_paths):
+    from slafload import Loader, Tuning
 
     sampler = BlockShuffle(block_size=3, fetch_factor=4, batch_size=16)
     runs = []
-    for direct in (True, False):
+    for reader in ("lance", "direct"):  # take_scan everywhere, then the direct path forced
+        if reader == "direct":
+            read_paths(direct=True)
+            reader = "auto"
         with Loader(dataset, sampler=sampler, batch_size=16, max_genes=8,
-                    read_data_files=direct, read_threads=threads) as loader:  # fmt: skip
+                    tuning=Tuning(read_threads=threads, reader=reader)) as loader:  # fmt: skip
             runs.append([b["input_ids"].numpy() for b in loader])
     assert len(runs[0]) == len(runs[1])
     for a, b in zip(*runs, strict=True):

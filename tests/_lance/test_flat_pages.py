@@ -327,13 +327,16 @@ def loader_batches(path, **config):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_the_loader_reads_flat_files_with_identical_tokens(atlas20, flat_opens, backend):
+def test_the_loader_reads_flat_files_with_identical_tokens(
+    atlas20, flat_opens, read_paths, backend
+):
     opened = flat_opens
     flat = loader_batches(atlas20, kernels=backend)
     assert opened and all(f is not None for f in opened)
     n_opened = len(opened)
-    through_lance = loader_batches(atlas20, kernels=backend, read_flat=False)
-    assert len(opened) == n_opened  # read_flat=False never opens a file flat
+    read_paths(flat=False)
+    through_lance = loader_batches(atlas20, kernels=backend)
+    assert len(opened) == n_opened  # flat=False never opens a file flat
     assert len(flat) == len(through_lance) > 0
     for x, y in zip(flat, through_lance, strict=True):
         for key in x:
@@ -395,7 +398,9 @@ def test_flat_reads_are_chosen_for_local_2_0_tables_only(atlas20, tmp_path):
     assert not DataFiles.of(v22, COLUMNS).flat  # no 2.0 file: never tried
 
 
-def test_a_mixture_of_2_0_atlases_reads_flat_with_identical_tokens(atlas20, tmp_path, monkeypatch):
+def test_a_mixture_of_2_0_atlases_reads_flat_with_identical_tokens(
+    atlas20, tmp_path, monkeypatch, read_paths
+):
     other = write_dense(tmp_path / "b.slaf", random_counts(300, 60, seed=12, density=0.2),
                         max_rows_per_file=233)  # fmt: skip
     optimize(other, progress=False)
@@ -408,14 +413,15 @@ def test_a_mixture_of_2_0_atlases_reads_flat_with_identical_tokens(atlas20, tmp_
 
     monkeypatch.setattr(DataFiles, "__init__", spy)
 
-    def run(**config):
+    def run():
         with Loader([atlas20, other], sampler=BlockShuffle(block_size=4, fetch_factor=2),
-                    batch_size=16, max_genes=24, seed=9, **config) as loader:  # fmt: skip
+                    batch_size=16, max_genes=24, seed=9) as loader:  # fmt: skip
             return [{k: v.numpy() for k, v in batch.items()} for batch in loader]
 
     flat = run()
     assert len(pools) == 1  # both sources' readers share one pool
-    through_lance = run(read_flat=False)
+    read_paths(flat=False)
+    through_lance = run()
     assert len(flat) == len(through_lance) > 0
     for x, y in zip(flat, through_lance, strict=True):
         for key in x:

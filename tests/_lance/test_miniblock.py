@@ -224,7 +224,9 @@ def test_a_damaged_chunk_raises_instead_of_returning_wrong_rows(tmp_path, kernel
 
 
 @pytest.mark.skipif(not numba_available(), reason="numba is not installed")
-def test_the_loader_reads_a_2_2_atlas_without_lance_with_identical_tokens(tmp_path, flat_opens):
+def test_the_loader_reads_a_2_2_atlas_without_lance_with_identical_tokens(
+    tmp_path, flat_opens, read_paths
+):
     path = write_dense(tmp_path / "a.slaf", random_counts(600, 80, seed=3, density=0.3),
                        max_rows_per_file=2_000)  # fmt: skip
     expression = lance.dataset(str(path / "expression.lance"))
@@ -239,18 +241,19 @@ def test_the_loader_reads_a_2_2_atlas_without_lance_with_identical_tokens(tmp_pa
         kernels.close()
     opened = flat_opens
 
-    def run(**config):
+    def run(**paths):
+        read_paths(**paths)
         with Loader(open_dataset(path), sampler=BlockShuffle(block_size=3, fetch_factor=4),
-                    batch_size=16, tokenizer="scgpt", max_genes=24, seed=5, kernels="numba",
-                    **config) as loader:  # fmt: skip
+                    batch_size=16, tokenizer="scgpt", max_genes=24, seed=5,
+                    kernels="numba") as loader:  # fmt: skip
             return [{k: v.numpy() for k, v in batch.items()} for batch in loader]
 
     flat = run()  # on by default
     assert any(isinstance(f, FlatFile) for f in opened)  # the decoder was used
     n_opened = len(opened)
-    without = run(read_mini_blocks=False)
+    without = run(mini=False)
     assert len(opened) == n_opened  # off: no 2.1+ file is tried flat
-    through_lance = run(read_flat=False)
+    through_lance = run(flat=False)
     assert len(flat) == len(through_lance) == len(without) > 0
     for x, y, z in zip(flat, through_lance, without, strict=True):
         for key in x:

@@ -7,7 +7,7 @@ import pytest
 from conftest import random_counts, write_dense
 
 import slafload.pipeline.budget
-from slafload import Loader, open_dataset
+from slafload import Loader, Tuning, open_dataset
 from slafload.pipeline.budget import (
     GROUP_RANGES,
     SCATTERED_ROWS,
@@ -42,7 +42,9 @@ def cells_and_tokens(ds, sampler, **settings):
 def test_a_tiny_budget_still_delivers_every_cell_exactly_once_in_the_same_order(
     dataset, sampler, budget
 ):
-    cells, tokens = cells_and_tokens(dataset, sampler, memory_budget=budget, read_ahead=2)
+    cells, tokens = cells_and_tokens(
+        dataset, sampler, tuning=Tuning(memory_budget=budget, read_ahead=2)
+    )
     assert sorted(cells.tolist()) == list(range(300))
     ref_cells, ref_tokens = cells_and_tokens(dataset, sampler)
     np.testing.assert_array_equal(cells, ref_cells)

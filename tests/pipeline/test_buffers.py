@@ -114,7 +114,9 @@ def test_gather_runs_equals_a_loop_of_slices_with_empty_and_repeated_runs(dtypes
 def test_batches_held_by_the_consumer_keep_their_tokens(tmp_path):
     path = tmp_path / "a.slaf"
     slafload.synthetic.write_atlas(path, n_cells=600, n_genes=300, mean_nnz=40, seed=1)
-    options = dict(batch_size=16, max_genes=64, seed=0, n_epochs=2, piece_cells=64)
+    options = dict(
+        batch_size=16, max_genes=64, seed=0, n_epochs=2, tuning=slafload.Tuning(piece_cells=64)
+    )
     for tokenizer in ("geneformer", "scgpt", "raw"):
         with slafload.Loader(path, tokenizer=tokenizer, **options) as loader:
             held = [{k: v.clone() for k, v in b.items()} for b in loader]

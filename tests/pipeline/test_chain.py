@@ -11,7 +11,7 @@ import torch
 
 import slafload.pipeline.reader
 from slafload import Loader, open_dataset
-from slafload.config import LoaderConfig
+from slafload.config import LoaderConfig, Tuning
 from slafload.pipeline import budget
 from slafload.pipeline.chain import ChainSpec, build_chain
 from slafload.pipeline.chunk import Assemble, Shuffle, Split, Transform
@@ -32,10 +32,10 @@ def pieces(ds, config, reader):
         reader,
         ds.cell_start,
         row_bytes=budget.row_bytes(ds.expression.schema, COLUMNS),
-        read_ahead=config.read_ahead,
-        memory_budget=config.memory_budget,
+        read_ahead=config.tuning.read_ahead,
+        memory_budget=config.tuning.memory_budget,
     )
-    return Split(Transform(Shuffle(Assemble(read, ds)), ()), config.piece_cells)
+    return Split(Transform(Shuffle(Assemble(read, ds)), ()), config.tuning.piece_cells)
 
 
 class RecordingReader(Reader):
@@ -63,9 +63,9 @@ def test_the_next_fetches_are_read_before_the_current_one_is_computed(
     small_slaf, read_ahead, expected
 ):
     ds = open_dataset(small_slaf)
-    config = LoaderConfig(chunk_cells=32, read_ahead=read_ahead)
+    config = LoaderConfig(chunk_cells=32, tuning=Tuning(read_ahead=read_ahead))
     events: list[tuple[str, int]] = []
-    reader = RetryingReader(RecordingReader(ds, events), config.retry)
+    reader = RetryingReader(RecordingReader(ds, events), config.tuning.retry)
     for piece in pieces(ds, config, reader):
         np.testing.assert_array_equal(piece.cell_ids // 32, piece.fetch_index)
         events.append(("piece", piece.fetch_index))
@@ -89,7 +89,7 @@ def test_read_ahead_changes_nothing_the_consumer_sees(small_slaf, sampler, read_
             chunk_cells=32,
             n_epochs=2,
             seed=4,
-            read_ahead=read_ahead,
+            tuning=Tuning(read_ahead=read_ahead),
         ) as loader:
             return [{k: v.numpy() for k, v in b.items()} for b in loader]
 
@@ -123,7 +123,7 @@ def test_a_failed_read_ahead_is_retried_when_its_turn_comes(small_slaf, monkeypa
 @pytest.mark.parametrize("bad", [-1, 9, 1.0, True])
 def test_read_ahead_is_validated(bad):
     with pytest.raises(ValueError, match=r"read_ahead must be an integer in \[0, 8\]"):
-        LoaderConfig(read_ahead=bad)
+        Tuning(read_ahead=bad)
 
 
 def test_a_failure_to_plan_a_later_fetch_comes_after_the_earlier_fetches(small_slaf, monkeypatch):
@@ -136,8 +136,8 @@ def test_a_failure_to_plan_a_later_fetch_comes_after_the_earlier_fetches(small_s
 
     monkeypatch.setattr(RankShare, "part", failing_part)
     ds = open_dataset(small_slaf)
-    config = LoaderConfig(chunk_cells=32, read_ahead=2)
-    reader = RetryingReader(Reader(ds), config.retry)
+    config = LoaderConfig(chunk_cells=32, tuning=Tuning(read_ahead=2))
+    reader = RetryingReader(Reader(ds), config.tuning.retry)
     got = []
     with pytest.raises(RuntimeError, match="planning fetch 2 failed"):
         for piece in pieces(ds, config, reader):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import random_counts, write_dense
 
-from slafload import Loader, open_dataset
+from slafload import Loader, Tuning, open_dataset
 from slafload.pipeline.first_read import reading, split_first
 from slafload.pipeline.partition import Part
 from slafload.samplers import BlockShuffle, ChunkShuffle, Fetch, Weighted
@@ -43,15 +43,16 @@ def same(a, b):
 @pytest.mark.parametrize("first", [1, 5, 16])
 def test_a_small_first_read_delivers_the_same_batches(dataset, name, first):
     sampler = SAMPLERS[name]
-    same(run(dataset, sampler, first_read_cells=first), run(dataset, sampler, first_read_cells=0))
+    same(run(dataset, sampler, tuning=Tuning(first_read_cells=first)),
+         run(dataset, sampler, tuning=Tuning(first_read_cells=0)))  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SAMPLERS)
 @pytest.mark.parametrize("taken", [1, 2, 7])
 def test_resuming_inside_or_after_the_first_read_is_exact(dataset, name, taken):
     sampler = SAMPLERS[name]
-    settings = {"batch_size": 8, "max_genes": 8, "seed": 2, "first_read_cells": 12}
-    reference = run(dataset, sampler, first_read_cells=0)
+    settings = {"batch_size": 8, "max_genes": 8, "seed": 2, "tuning": Tuning(first_read_cells=12)}
+    reference = run(dataset, sampler, tuning=Tuning(first_read_cells=0))
     with Loader(dataset, sampler=sampler, **settings) as loader:
         it = iter(loader)
         head = [{k: v.numpy() for k, v in next(it).items()} for _ in range(taken)]

@@ -16,7 +16,7 @@ import pytest
 
 import slafload.pipeline.reader
 from slafload import Loader, ReadError, open_dataset
-from slafload.config import LoaderConfig, RetryPolicy
+from slafload.config import RetryPolicy, Tuning
 from slafload.pipeline.read import RetryingReader
 from slafload.pipeline.reader import Reader
 from slafload.samplers import Fetch
@@ -53,7 +53,7 @@ def test_transient_failures_are_retried_and_every_cell_arrives_exactly_once(
     flaky = flaky_reader({0: 3, 2: 1, 4: 2}, after_batches=after_batches)
     monkeypatch.setattr(slafload.pipeline.reader, "Reader", flaky)
     with Loader(
-        small_slaf, batch_size=16, chunk_cells=32, read_batch_rows=8, retry=FAST, seed=3
+        small_slaf, batch_size=16, chunk_cells=32, tuning=Tuning(batch_rows=8, retry=FAST), seed=3
     ) as loader:
         ids = np.concatenate([b["cell_integer_id"].numpy() for b in loader])
     np.testing.assert_array_equal(np.sort(ids), np.arange(300))
@@ -66,7 +66,7 @@ def test_retried_tokens_equal_a_clean_run(small_slaf, monkeypatch):
         clean = [b["input_ids"] for b in loader]
     monkeypatch.setattr(slafload.pipeline.reader, "Reader", flaky_reader({1: 2}, after_batches=1))
     with Loader(
-        small_slaf, batch_size=16, chunk_cells=32, seed=5, read_batch_rows=8, retry=FAST
+        small_slaf, batch_size=16, chunk_cells=32, seed=5, tuning=Tuning(batch_rows=8, retry=FAST)
     ) as loader:
         retried = [b["input_ids"] for b in loader]
     assert len(clean) == len(retried)
@@ -77,7 +77,9 @@ def test_a_permanent_failure_reaches_the_consumer_with_context_and_the_thread_en
     small_slaf, monkeypatch
 ):
     monkeypatch.setattr(slafload.pipeline.reader, "Reader", flaky_reader({2: 99}))
-    loader = Loader(small_slaf, batch_size=16, chunk_cells=32, shuffle=False, retry=FAST)
+    loader = Loader(
+        small_slaf, batch_size=16, chunk_cells=32, shuffle=False, tuning=Tuning(retry=FAST)
+    )
     got = []
     with pytest.raises(ReadError) as info:
         for batch in loader:
@@ -146,7 +148,7 @@ def test_retry_policies_are_validated(kwargs, message):
 
 def test_the_loader_rejects_a_retry_setting_that_is_not_a_policy():
     with pytest.raises(ValueError, match="retry must be a RetryPolicy"):
-        LoaderConfig(retry=3)
+        Tuning(retry=3)
 
 
 def test_lance_io_errors_are_transient_by_message_and_others_are_not():
