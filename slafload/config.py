@@ -119,10 +119,11 @@ class Tuning:
         check_rows: ``"once"`` (default) or ``"always"``. Every expression row's
             ``cell_integer_id`` is compared with the cell ``cell_start_index`` places it in,
             and a mismatch raises :class:`~slafload.InconsistentDataError`. With ``"once"``
-            a loader compares the rows of each contiguous fetch the first time it reads them
-            and, the table being pinned to one immutable Lance version, reads them without
-            that column afterwards (ChunkShuffle and Streaming from the second epoch on:
-            about a fifth less decoding). Scattered block reads always carry it. The row
+            a loader compares the rows of each fetch of up to 16 contiguous ranges (a
+            stream's chunk; a mixture's block per source) the first time it reads them and,
+            the table being pinned to one immutable Lance version, reads them without that
+            column afterwards (ChunkShuffle and Streaming from the second epoch on: about a
+            fifth less decoding). Block sampling's scattered reads always carry it. The row
             count of every fetch, gene ids and values are checked on every read either way.
             ``"always"`` checks every read, for storage you do not trust to return the same
             bytes twice.
