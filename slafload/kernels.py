@@ -240,8 +240,8 @@ def warm_up() -> bool:
 def prepare_reads(kernels: Kernels) -> None:
     """Have ``kernels`` compile what the flat reads run (in the background, or now with
     ``backend="numba"``): the read threads use each kernel once it is ready. That is
-    :func:`slafload._lance.flat_pages.read_ranges`' ``pread_runs`` and ``decode_chunks``, and for
-    opening a file from its footer (:meth:`slafload._lance.flat_pages.FileFormat.open`),
+    :func:`slafload._lance.flat_reads.read_ranges`' ``pread_runs`` and ``decode_chunks``, and for
+    opening a file from its footer (:meth:`slafload._lance.file_format.FileFormat.open`),
     ``walk_many`` (:func:`slafload._lance.footer.walk_many`).
     """
     if not _HAS_PREAD:  # no libc pread here: the reads use os.preadv
@@ -253,7 +253,7 @@ def prepare_reads(kernels: Kernels) -> None:
     runs = np.zeros((4, 0), np.int64)
     kernels.prepare("read_decode", runs, b, runs, b, np.zeros((0, 10), np.int64), z, z, z,
                     np.zeros(0, np.uint64), np.zeros(3, np.int64))  # fmt: skip
-    # Opening a file from its footer (slafload._lance.flat_pages.FileFormat.open).
+    # Opening a file from its footer (slafload._lance.file_format.FileFormat.open).
     kernels.prepare("walk_many", np.zeros((0, 1), np.uint8), np.zeros((0, 1), np.int64), b,
                     np.zeros(0, np.int32), 0)  # fmt: skip
 

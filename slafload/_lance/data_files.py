@@ -54,7 +54,9 @@ import pyarrow.compute as pc
 from lance.file import LanceFileReader
 
 from slafload._lance._compat import file_session, take_scan
-from slafload._lance.flat_pages import V2_0, V2_1, FlatFile, FlatFiles, FlatRange, read_ranges
+from slafload._lance.file_format import FlatFiles
+from slafload._lance.flat_pages import V2_0, V2_1, FlatFile
+from slafload._lance.flat_reads import FlatRange, read_ranges
 from slafload._lance.fragments import Deletions, Matched, file_versions, stored_names, survey
 from slafload.errors import ReaderFallbackWarning
 from slafload.kernels import NUMPY, Kernels
@@ -437,7 +439,7 @@ class DataFiles:
         self, streams: list[Any], keep: Sequence[np.ndarray | None]
     ) -> dict[int, pa.Table]:
         """The tables of the :class:`FlatRange` items of ``streams``, by position, all read
-        by one :func:`~slafload._lance.flat_pages.read_ranges` call: of a piece whose ``keep`` names
+        by one :func:`~slafload._lance.flat_reads.read_ranges` call: of a piece whose ``keep`` names
         the rows it keeps (relative to the piece), those rows alone, each run its own read
         (a flat read costs ~0.03 ms, so reading through the gaps saves nothing: on the 5M
         atlas, ``BlockShuffle(1, 256)``'s coalesced spans were ~20x its rows, and the pieces

@@ -2,7 +2,7 @@
 
 Plain Python over arrays that numba compiles (:mod:`slafload.kernels` registers, compiles and
 runs them; they are never run as Python). Each does what the numpy code named in its docstring
-does: :func:`~slafload._lance.flat_pages.read_ranges` reads with :func:`_pread_runs`, and
+does: :func:`~slafload._lance.flat_reads.read_ranges` reads with :func:`_pread_runs`, and
 :func:`~slafload._lance.miniblock.decode_chunks` is :func:`_decode_chunks`' reference.
 :func:`bind` declares libc's ``pread`` and compiles the two kernels :func:`_read_decode` calls;
 they are declared here, beside the code that calls them, because numba's on-disk cache of each
@@ -45,7 +45,7 @@ def bind(numba: Any) -> None:
 def _pread_runs(fds: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, where: np.ndarray,
                 out: np.ndarray, failed: np.ndarray) -> None:  # fmt: skip
     """``sizes[i]`` bytes of file ``fds[i]`` from ``offsets[i]`` into ``out[where[i]:]``, for
-    every ``i`` (:func:`~slafload._lance.flat_pages.read_ranges`); ``failed[0]`` is the first run
+    every ``i`` (:func:`~slafload._lance.flat_reads.read_ranges`); ``failed[0]`` is the first run
     not read whole (an error, or the end of the file), else -1.
     """
     base = out.ctypes.data
