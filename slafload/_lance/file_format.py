@@ -32,7 +32,7 @@ from slafload._lance.flat_pages import (
     _open_fd,
     flat_bits,
 )
-from slafload._lance.footer import Footer, open_footers, read_footer
+from slafload._lance.footers import Footer, open_footers, read_footer
 from slafload.kernels import NUMPY, Kernels
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class FileFormat:
         self, paths: Sequence[str], columns: Sequence[str], kernels: Kernels
     ) -> list[FlatFile | None] | None:
         """:meth:`open` of each of ``paths``, all opened, read and walked by one call of
-        ``kernels``' ``walk_many`` (:func:`slafload._lance.footer.open_footers`: the GIL released
+        ``kernels``' ``walk_many`` (:func:`slafload._lance.footers.open_footers`: the GIL released
         once for them all); ``None`` where that kernel does not run.
         """
         opened = open_footers(paths, kernels.run) if kernels.backend == "numba" else None

@@ -51,7 +51,7 @@ from lance.file import LanceFileReader
 
 from slafload._lance import miniblock
 from slafload._lance.flat_reads import FlatRange, read_ranges
-from slafload._lance.footer import Footer, read_footer
+from slafload._lance.footers import Footer, read_footer
 from slafload.kernels import NUMPY, Kernels
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,11 @@ class FlatFile:
             if version not in V2_0 and not (mini and version in V2_1):
                 return None, None, None
             if len(meta.columns) != len(stored) or not all(_fixed(f.type) for f in stored):
-                return None, None, None  # one column per field only when each field is a flat primitive
+                return (
+                    None,
+                    None,
+                    None,
+                )  # one column per field only when each field is a flat primitive
             fd = _open_fd(path)
             flat = cls(path, pa.schema([]), [], fd)  # owns fd from here on
             try:
