@@ -241,7 +241,7 @@ def append_cell(path, genes, values):
 @pytest.fixture
 def lance_opens(monkeypatch) -> list[str]:
     """The paths of the data files opened through Lance's metadata by ``FlatFile._open``
-    (the rest :class:`~slafload._lance.flat_pages.FlatFiles` opens from their footers), in order.
+    (the rest :class:`~slafload._lance.file_format.FlatFiles` opens from their footers), in order.
     """
     from slafload._lance.flat_pages import FlatFile
 
@@ -259,7 +259,7 @@ def lance_opens(monkeypatch) -> list[str]:
 @pytest.fixture
 def flat_opens(monkeypatch) -> list:
     """What every ``FlatFiles.open`` returned (a ``FlatFile`` or ``None``), in order."""
-    from slafload._lance.flat_pages import FlatFiles
+    from slafload._lance.file_format import FlatFiles
 
     opened: list = []
     real_open = FlatFiles.open

@@ -38,34 +38,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import resource
 import threading
-import warnings
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import lance
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-from lance.file import LanceFileReader
 
-from slafload._lance._compat import file_session, take_scan
-from slafload._lance.flat_pages import V2_0, V2_1, FlatFile, FlatFiles, FlatRange, read_ranges
+from slafload._lance._compat import take_scan
+from slafload._lance.flat_pages import V2_0, V2_1, FlatFile
+from slafload._lance.flat_reads import FlatRange, read_ranges
 from slafload._lance.fragments import Deletions, Matched, file_versions, stored_names, survey
-from slafload.errors import ReaderFallbackWarning
+from slafload._lance.open_files import DECLINED, OpenFiles, is_remote
+from slafload._lance.pieces import Job, Pending, keep_rows, pieces_kept
 from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline.buffers import BytePool
 from slafload.pipeline.ranges import expand
 
 logger = logging.getLogger(__name__)
 
-DECLINED = object()  # the reader of a data file read through Lance's take_scan instead
-MAX_OPEN_FILES = 8192  # upper bound of the reader cache; each open reader holds a descriptor
-FD_SHARE = 4  # the reader cache uses at most a quarter of the process's descriptors
 STREAMS_AT_ONCE = 128  # read_range streams alive at once (each holds its pages until consumed)
 WINDOW_ROWS = 1 << 21  # ...and rows a read thread holds at once: a window is read whole first
 REMOTE_THREADS = 16  # default threads for object stores: requests wait on latency, not CPU
@@ -88,11 +81,6 @@ def flat_threads() -> int:
     return max(2, min(LOCAL_THREADS, cores))
 
 
-def is_remote(uri: str) -> bool:
-    """Whether ``uri`` names an object store (``s3://``, ``gs://``...) rather than a local path."""
-    return "://" in uri and not uri.startswith("file://")
-
-
 def direct_by_default(expression: lance.LanceDataset) -> bool:
     """Whether scattered ranges of ``expression`` are read through kept-open file readers
     when ``Tuning.reader`` is ``"auto"``: on local storage, and on an
@@ -112,57 +100,13 @@ def direct_by_default(expression: lance.LanceDataset) -> bool:
     return bool(versions) and max(versions) <= (2, 0)
 
 
-@dataclass(eq=False)
-class _Open:
-    """A cached file reader (``None`` until its first user opens it: a :class:`FlatFile` where
-    the file's pages are flat, else Lance's) and the lock that lets one thread at a time use
-    it (pylance file readers refuse concurrent calls).
-    """
-
-    reader: LanceFileReader | FlatFile | Any = None  # Any: DECLINED
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    provisional: bool = False  # Lance's reader until the mini-block decoder is ready
-
-
-def default_max_open(n_files: int | None = None) -> int:
-    """Readers kept open: a quarter of the soft descriptor limit, within [16, MAX_OPEN_FILES].
-
-    With ``n_files``, the soft limit is first raised (toward the hard limit, logged) until a
-    quarter of it holds ``min(n_files, MAX_OPEN_FILES)`` readers. Linux's usual soft limit of
-    1,024 keeps only 256 open, so on a 5M-cell atlas (3,816 data files) most blocks would
-    reopen their file (``(16, 256)`` ran 14% slower so, docs/sampling.md). Where the hard
-    limit is too low for that, a warning says how to raise it.
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_OPEN_FILES
-    wanted = FD_SHARE * min(n_files or 0, MAX_OPEN_FILES)
-    if wanted > soft:
-        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-        if target > soft:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-                logger.info("raised the soft open-files limit from %d to %d for the readers "
-                            "of %d data files", soft, target, n_files)  # fmt: skip
-                soft = target
-            except (ValueError, OSError) as exc:
-                logger.debug("could not raise the open-files limit: %r", exc)
-        if soft < wanted:
-            logger.warning(
-                "the table has %d data files but the open-files limit (%d, hard %s) keeps "
-                "only %d readers open, so blocks in the others reopen their file on every "
-                "read; raise it (ulimit -n %d) or merge files (slafload optimize "
-                "--rows-per-file)", n_files, soft, hard, soft // FD_SHARE, wanted,
-            )  # fmt: skip
-    return max(16, min(MAX_OPEN_FILES, soft // FD_SHARE))
-
-
-class DataFiles:
+class DataFiles(OpenFiles):
     """The data files of a pinned expression table, by dataset row offset.
 
     ``starts[i]`` is the dataset row offset of data file ``i``'s first row (``starts[-1]`` the
     row count). :meth:`read` is called from one thread (the producer) and hands the reads to
-    worker threads, each file's reader used by one of them at a time.
+    worker threads, each file's reader (kept open by :class:`~slafload._lance.open_files.OpenFiles`)
+    used by one of them at a time.
 
     Args:
         threads: Data files read at once by :meth:`read`; ``None``: :data:`REMOTE_THREADS` on
@@ -197,33 +141,17 @@ class DataFiles:
         versions: Sequence[tuple[int, int]] | None = None,
         mini: bool = False,
     ):
-        self.paths = list(paths)
-        self._v2_0 = None if versions is None else [v in V2_0 for v in versions]
+        super().__init__(paths, storage_options, max_open, flat=flat, kernels=kernels,
+                         versions=versions, mini=mini)  # fmt: skip
         self.starts = np.asarray(starts, dtype=np.int64)
-        self.storage_options = dict(storage_options) if storage_options else None
-        self.max_open = default_max_open(len(self.paths)) if max_open is None else max_open
-        if self.max_open < 1:
-            raise ValueError(f"max_open must be >= 1, got {self.max_open}")
         remote = bool(self.paths) and is_remote(self.paths[0])
         if threads is None:
             threads = REMOTE_THREADS if remote else flat_threads() if flat else LOCAL_THREADS
         self.threads = threads
-        self.flat, self.kernels = flat and not remote, kernels  # pread reads local files
         self._pool = BytePool() if pool is None else pool  # the flat reads' buffers
-        self._flat_files = FlatFiles(mini=mini and kernels.backend == "numba", kernels=kernels)
-        self._decoder = False  # the mini-block decode kernel is loaded
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
-        self._open: OrderedDict[tuple[int, tuple[str, ...]], _Open] = OrderedDict()
-        self._lock = threading.Lock()  # guards _open against workers opening readers
         self._in_turn = threading.Lock()  # one fetch's reads at a time on the one-thread path
-        self._session: Any | None = None  # a LanceFileSession where pylance has one
-        self.table: Matched | None = None  # field-id names and deletions (set by examine)
-        self._notice: str | None = None  # why a data file is read through Lance
-        self._warned = False
-        if remote and len({p.rsplit("/", 1)[0] for p in self.paths}) == 1:
-            base = self.paths[0].rsplit("/", 1)[0]
-            self._session = file_session(base, self.storage_options)
 
     @classmethod
     def of(
@@ -316,7 +244,7 @@ class DataFiles:
         keeps (``int64[j, 2]``, absolute rows, ascending and not overlapping; the rest are
         gaps read through), or ``None`` for all of it: each range's batches are then those
         rows alone. Each read thread keeps them as soon as it has read a piece
-        (:func:`keep_rows`), so the gap rows of a coalesced span (up to 32 times the wanted rows
+        (:func:`~slafload._lance.pieces.keep_rows`), so the gap rows of a coalesced span (up to 32 times the wanted rows
         for scattered single cells) live only while that piece is in hand, not until the
         whole fetch is assembled.
 
@@ -331,8 +259,8 @@ class DataFiles:
         names = tuple(columns)
         cols = names if self.table is None else tuple(self.table.names[c] for c in names)
         which, file, lo, n = self.pieces(rows)
-        keep = _pieces_kept(rows, wanted, which, self.starts[file] + lo, n)
-        job = _Job(cols, names, [None] * len(file), keep, [], [])
+        keep = pieces_kept(rows, wanted, which, self.starts[file] + lo, n)
+        job = Job(cols, names, [None] * len(file), keep, [], [])
         if self.table is not None:  # each piece's live rows, for a file read through Lance
             job.live.extend(zip((self.starts[file] + lo).tolist(), n.tolist(), strict=True))
             job.live_keep.extend(keep)
@@ -364,7 +292,7 @@ class DataFiles:
         parts: list[list[int]] = [[] for _ in range(len(rows))]
         for k, w in enumerate(which.tolist()):
             parts[w].append(k)
-        return [_Pending([owner[k] for k in p], job.tables, p, self.notice) for p in parts]
+        return [Pending([owner[k] for k in p], job.tables, p, self.notice) for p in parts]
 
     def _physical(
         self, file: np.ndarray, lo: np.ndarray, n: np.ndarray, keep: list[np.ndarray | None]
@@ -381,7 +309,7 @@ class DataFiles:
         return lo, n, keep
 
     def _read_windows(
-        self, plan: list[list[tuple[int, int, int, int]]], job: _Job,
+        self, plan: list[list[tuple[int, int, int, int]]], job: Job,
         done: list[threading.Event],
     ) -> None:  # fmt: skip
         """Read one task's pieces ``(file, k, first row, rows)``, window by window, into
@@ -423,7 +351,7 @@ class DataFiles:
             for read in done:
                 read.set()
 
-    def _through_lance(self, job: _Job, k: int) -> pa.Table:
+    def _through_lance(self, job: Job, k: int) -> pa.Table:
         """Piece ``k`` of ``job`` read by Lance's ``take_scan`` (its file is :data:`DECLINED`)."""
         assert self.table is not None
         first, rows = job.live[k]
@@ -437,7 +365,7 @@ class DataFiles:
         self, streams: list[Any], keep: Sequence[np.ndarray | None]
     ) -> dict[int, pa.Table]:
         """The tables of the :class:`FlatRange` items of ``streams``, by position, all read
-        by one :func:`~slafload._lance.flat_pages.read_ranges` call: of a piece whose ``keep`` names
+        by one :func:`~slafload._lance.flat_reads.read_ranges` call: of a piece whose ``keep`` names
         the rows it keeps (relative to the piece), those rows alone, each run its own read
         (a flat read costs ~0.03 ms, so reading through the gaps saves nothing: on the 5M
         atlas, ``BlockShuffle(1, 256)``'s coalesced spans were ~20x its rows, and the pieces
@@ -461,35 +389,6 @@ class DataFiles:
             parts.setdefault(i, []).append(table)
         return {i: t[0] if len(t) == 1 else pa.concat_tables(t) for i, t in parts.items()}
 
-    def _open_window(self, pieces: list[tuple[int, int, int, int]], cols: tuple[str, ...]) -> None:
-        """Open the files of a window's ``pieces`` that are not open yet, flat from their
-        footers, by one kernel call (:meth:`FlatFiles.open_many`): a block sampler's window
-        on the 5M atlas opens ~100 files in an epoch's first seconds, and opening each alone
-        took the GIL back once per file, each time after the other threads' turns. A file
-        that does not open so is left to :meth:`_opened`.
-        """
-        if not (self.flat and self._flat_files.format is not None and self._decoder_ready()):
-            return
-        todo: dict[int, _Open] = {}
-        for f, *_ in pieces:
-            entry = self._entry(f, cols)
-            if entry.reader is None or entry.provisional:
-                todo[f] = entry
-        if len(todo) < 2:
-            return  # one file: _opened opens it as well
-        opened = self._flat_files.open_many([self.paths[f] for f in todo], cols)
-        for entry, flat in zip(todo.values(), opened, strict=True):
-            if flat is not None and not self._fits(flat):
-                flat.close()  # _opened decides what reads it
-                flat = None
-            if flat is None:
-                continue
-            with entry.lock:
-                if entry.reader is None or entry.provisional:
-                    entry.reader, entry.provisional = flat, False
-                else:  # another thread opened it meanwhile
-                    flat.close()
-
     def _stream(self, index: int, cols: tuple[str, ...], start: int, rows: int) -> Any:
         """A started ``read_range`` of ``rows`` rows from ``start`` in data file ``index``
         (for a flat file, the read itself is left to the caller's ``to_table()``).
@@ -505,152 +404,6 @@ class DataFiles:
             # ~5% more CPU per range, measured on the 5M-cell atlas.
             lance_reader: Any = reader
             return lance_reader.read_range(start, rows, batch_size=rows, batch_readahead=1)
-
-    def _entry(self, index: int, cols: tuple[str, ...]) -> _Open:
-        key = (index, cols)
-        with self._lock:
-            entry = self._open.get(key)
-            if entry is not None:
-                self._open.move_to_end(key)
-                return entry
-            entry = self._open[key] = _Open()
-            while len(self._open) > self.max_open:
-                self._open.popitem(last=False)  # a thread using it keeps its reference
-            return entry
-
-    def _new_reader(self, index: int, cols: tuple[str, ...] | None) -> LanceFileReader:
-        """Lance's reader of ``cols`` of data file ``index`` (``None``: every column)."""
-        columns = None if cols is None else list(cols)
-        if self._session is not None:
-            return self._session.open_reader(self.paths[index].rsplit("/", 1)[1], columns)
-        return LanceFileReader(
-            self.paths[index], storage_options=self.storage_options, columns=columns
-        )
-
-    def _lance_reader(self, index: int, cols: tuple[str, ...]) -> LanceFileReader | object:
-        """Lance's reader of ``cols`` of data file ``index``, or :data:`DECLINED` where the
-        file stores other names than the table's first data file (see :meth:`_fits`).
-        """
-        try:
-            reader = self._new_reader(index, cols)
-        except Exception:
-            if self.table is None or self._fits(self._new_reader(index, None)):
-                raise  # not a name the file lacks: the read reports it
-            return self._decline(index)
-        return reader if self._fits(reader) else self._decline(index)
-
-    def _fits(self, reader: LanceFileReader | FlatFile) -> bool:
-        """Whether ``reader``'s file stores the columns under the names the reads ask for:
-        those of the table's first data file (every file lists the same field ids,
-        :func:`~slafload._lance.fragments.survey`, so the names are at the same places).
-        """
-        if self.table is None:
-            return True
-        if isinstance(reader, FlatFile):
-            return reader.names == self.table.file_names
-        return tuple(reader.metadata().schema.names) == self.table.file_names
-
-    def _decline(self, index: int) -> object:
-        """Mark data file ``index`` to be read through Lance, and say so once."""
-        self._note(
-            f"data file {self.paths[index]} stores its columns under other names than the "
-            "table's first data file (columns renamed between writes), so its rows are read "
-            "through Lance's take_scan, ~0.2-0.5 ms more per range"
-        )
-        return DECLINED
-
-    def _note(self, notice: str) -> None:
-        """Keep the first ``notice`` of a data file left to Lance, for :meth:`notice`."""
-        with self._lock:
-            if self._notice is None:
-                self._notice = notice
-
-    def notice(self) -> None:
-        """Warn, once, that a data file is read through Lance (on the thread that reads the
-        batches: a warning raised as an error there reaches the caller).
-        """
-        if self._notice is not None and not self._warned and self.table is not None:
-            self._warned = True
-            uri = self.table.expression.uri
-            warnings.warn(f"{uri}: {self._notice}", ReaderFallbackWarning, stacklevel=2)
-
-    def _opened(
-        self, entry: _Open, index: int, cols: tuple[str, ...]
-    ) -> LanceFileReader | FlatFile | object:
-        """``entry``'s reader of data file ``index``, opened on first use: flat where the
-        file allows it (:mod:`slafload._lance.flat_pages`), else Lance's; :data:`DECLINED` where
-        the file stores other names than the reads ask for.
-        """
-        if entry.reader is DECLINED:
-            return entry.reader
-        if entry.reader is None or (entry.provisional and self._decoder_ready()):
-            flat = None
-            # A 2.1+ file opened before the decoder is loaded (numba's import takes ~0.5 s)
-            # is read by Lance meanwhile, not by the numpy decoder (~5x slower).
-            mini = self._flat_files.mini and self._decoder_ready()
-            v2_0 = None if self._v2_0 is None else self._v2_0[index]  # None: not known
-            if self.flat and (mini or v2_0 is not False):
-                flat = self._flat_files.open(self.paths[index], cols, mini=mini)
-                if flat is None and (mini or v2_0):
-                    self._note(
-                        f"data file {self.paths[index]} holds pages the flat reader does not "
-                        "decode (an encoding, nulls or compression it does not read), so it "
-                        "is read by Lance's file reader, several times the CPU per range"
-                    )
-            if flat is not None and not self._fits(flat):
-                flat.close()
-                flat, entry.reader = None, self._decline(index)
-            entry.provisional = self.flat and self._flat_files.mini and not mini and not v2_0
-            entry.provisional = entry.provisional and entry.reader is not DECLINED
-            if flat is not None:
-                entry.reader = flat
-            elif entry.reader is None:
-                entry.reader = self._lance_reader(index, cols)
-        return entry.reader
-
-    def _decoder_ready(self) -> bool:
-        if not self._decoder:
-            self._decoder = self.kernels.ready("decode_chunks")
-        return self._decoder
-
-
-def _pieces_kept(
-    rows: np.ndarray, wanted: Sequence[np.ndarray | None] | None, which: np.ndarray,
-    first: np.ndarray, n: np.ndarray,
-) -> list[np.ndarray | None]:  # fmt: skip
-    """For each piece (of range ``which[k]``, absolute rows ``first[k]`` on, ``n[k]`` of them),
-    the rows of it that ``wanted`` keeps, relative to the piece (``int64[j, 2]``); ``None``
-    where that is the whole piece, or nothing was asked.
-    """
-    keep: list[np.ndarray | None] = [None] * len(which)
-    if wanted is None:
-        return keep
-    whole = [w is None or (len(w) == 1 and w[0, 0] == a and w[0, 1] == b)
-             for w, (a, b) in zip(wanted, rows.tolist(), strict=True)]  # fmt: skip
-    for k, (r, a, m) in enumerate(zip(which.tolist(), first.tolist(), n.tolist(), strict=True)):
-        ranges = wanted[r]
-        if not whole[r] and ranges is not None:
-            inside = np.clip(ranges, a, a + m) - a
-            keep[k] = inside[inside[:, 1] > inside[:, 0]]
-    return keep
-
-
-def keep_rows(table: pa.Table, ranges: np.ndarray) -> pa.Table:
-    """Rows ``ranges`` (``int64[j, 2]``, in order) of ``table``.
-
-    Zero-copy slices where they are most of it; otherwise one ``take``, a copy of the kept
-    rows that lets the table's buffers, gap rows and all, go at once. The copy comes from the
-    system allocator: made on the read threads (which end with each fetch) and freed on the
-    producer, copies from Arrow's default pool (mimalloc) raised peak RSS by 50-70 MB on the
-    500k-cell atlas; from the system pool they did not (docs/sampling.md).
-    """
-    kept = int((ranges[:, 1] - ranges[:, 0]).sum())
-    if kept == table.num_rows and len(ranges) == 1:
-        return table
-    if 2 * kept >= table.num_rows:
-        return pa.concat_tables([table.slice(a, b - a) for a, b in ranges.tolist()])
-    rows = pa.array(expand(ranges[:, 0], ranges[:, 1] - ranges[:, 0]))
-    return pc.take(table, rows, memory_pool=pa.system_memory_pool())
 
 
 def _windows(
@@ -673,57 +426,3 @@ def _windows(
         some.append(piece)
         rows += piece[3]
     return [*windows, some] if some else windows
-
-
-@dataclass(frozen=True, eq=False)
-class _Job:
-    """One :meth:`DataFiles.read` call, as its read threads share it."""
-
-    cols: tuple[str, ...]  # the columns as the data files store them
-    names: tuple[str, ...]  # ...and as the table names them (what the tables are given)
-    tables: list[pa.Table | None]  # each piece's rows, once read
-    keep: list[np.ndarray | None]  # each piece's kept runs, relative to its first row read
-    live: list[tuple[int, int]]  # each piece's first dataset row and rows (with a table)
-    live_keep: list[np.ndarray | None]  # ...and its kept runs in those rows
-
-    def named(self, table: pa.Table) -> pa.Table:
-        """``table`` with the table's column names."""
-        return table if self.cols == self.names else table.rename_columns(list(self.names))
-
-
-class _Pending(Sequence[pa.RecordBatch]):
-    """One range's batches: its pieces' tables, each waited for (its window's event) on use.
-
-    Raises the error of a piece's task where that piece was not read.
-    """
-
-    def __init__(
-        self, waits: list[tuple[Future, threading.Event]], tables: list[pa.Table | None],
-        pieces: list[int], notice: Callable[[], None] = lambda: None,
-    ):  # fmt: skip
-        self._waits, self._tables, self._pieces = waits, tables, pieces
-        self._notice = notice
-        self._batches: list[pa.RecordBatch] | None = None
-
-    def _all(self) -> list[pa.RecordBatch]:
-        if self._batches is None:
-            batches: list[pa.RecordBatch] = []
-            for (task, read), k in zip(self._waits, self._pieces, strict=True):
-                read.wait()
-                table = self._tables[k]
-                if table is None:
-                    error = task.exception()  # the task has failed: wait for its error
-                    raise error if error is not None else RuntimeError(f"piece {k} not read")
-                batches.extend(b for b in table.to_batches() if b.num_rows)
-            self._notice()
-            self._batches = batches
-        return self._batches
-
-    def __iter__(self) -> Iterator[pa.RecordBatch]:
-        return iter(self._all())
-
-    def __len__(self) -> int:
-        return len(self._all())
-
-    def __getitem__(self, i):
-        return self._all()[i]

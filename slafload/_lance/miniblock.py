@@ -22,7 +22,7 @@ padded to 8 bytes. Every page is matched against pylance's text of its encoding,
 its chunk table must add up to the page's rows and bytes, or the file stays with Lance
 (:meth:`slafload._lance.flat_pages.FlatFile.open`, which also compares the first file's rows with
 Lance's read of them). The decode runs as one numba kernel per window of ranges
-(``decode_chunks`` in :mod:`slafload.kernels`); :func:`decode_chunks` here is the numpy
+(``decode_chunks`` in :mod:`slafload._lance.read_kernels`); :func:`decode_chunks` here is the numpy
 reference it must match.
 """
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,6 +204,47 @@ class GeneformerTokens:
         return {"input_ids": ids, "attention_mask": mask, "length": lengths}
 
 
+def _ensembl_ids(
+    dataset: SlafDataset, names: Sequence[str], tokens: dict,
+    ensembl_mapping: PathOrDict | None, gene_column: str, collapse_gene_ids: bool,
+) -> list[str | None]:  # fmt: skip
+    """Each gene's identifier in the token dictionary (``None``: not tokenized), as
+    :func:`geneformer_v2` describes ``ensembl_mapping`` and ``collapse_gene_ids``.
+    """
+    if collapse_gene_ids:
+        mapping = (
+            {k: k for k in tokens}
+            if ensembl_mapping is None
+            else load_dictionary(ensembl_mapping, "ensembl_mapping", _read_pickle)
+        )
+        mapping = {k: v for k, v in mapping.items() if v in tokens}
+        return [mapping.get(str(g).upper()) for g in names]
+    ensembl = [g if g in tokens else None for g in names]
+    known = [g for g in ensembl if g is not None]
+    if len(known) != len(set(known)):
+        raise VocabularyError(
+            f"column {gene_column!r} of {dataset.uri!r} repeats identifiers; pass "
+            "collapse_gene_ids=True to sum them, as Geneformer does by default"
+        )
+    return ensembl
+
+
+def _median_of_token(tokens: dict, medians: dict, ensembl: list[str | None]) -> np.ndarray:
+    """Each token's gene median (NaN for tokens of no gene here); every tokenized gene must
+    have one.
+    """
+    no_median = sorted({e for e in ensembl if e is not None and e not in medians})
+    if no_median:
+        raise VocabularyError(
+            f"{len(no_median)} tokenized genes have no entry in the gene median dictionary, "
+            f"e.g. {no_median[:5]}; pass the median file of the same model version"
+        )
+    median_of_token = np.full(max(tokens.values()) + 1, np.nan)
+    for e in set(ensembl) - {None}:
+        median_of_token[tokens[e]] = medians[e]
+    return median_of_token
+
+
 def geneformer_v2(
     dataset: SlafDataset,
     *,
@@ -256,32 +298,9 @@ def geneformer_v2(
         "convert the raw counts (slafload convert --raw or --layer NAME)",
     )  # fmt: skip
     names = gene_names(dataset, gene_column)
-    if collapse_gene_ids:
-        mapping = (
-            {k: k for k in tokens}
-            if ensembl_mapping is None
-            else load_dictionary(ensembl_mapping, "ensembl_mapping", _read_pickle)
-        )
-        mapping = {k: v for k, v in mapping.items() if v in tokens}
-        ensembl = [mapping.get(str(g).upper()) for g in names]
-    else:
-        ensembl = [g if g in tokens else None for g in names]
-        known = [g for g in ensembl if g is not None]
-        if len(known) != len(set(known)):
-            raise VocabularyError(
-                f"column {gene_column!r} of {dataset.uri!r} repeats identifiers; pass "
-                "collapse_gene_ids=True to sum them, as Geneformer does by default"
-            )
+    ensembl = _ensembl_ids(dataset, names, tokens, ensembl_mapping, gene_column, collapse_gene_ids)
     token_of_gene = np.array([-1 if e is None else tokens[e] for e in ensembl], np.int64)
-    no_median = sorted({e for e in ensembl if e is not None and e not in medians})
-    if no_median:
-        raise VocabularyError(
-            f"{len(no_median)} tokenized genes have no entry in the gene median dictionary, "
-            f"e.g. {no_median[:5]}; pass the median file of the same model version"
-        )
-    median_of_token = np.full(max(tokens.values()) + 1, np.nan)
-    for e in set(ensembl) - {None}:
-        median_of_token[tokens[e]] = medians[e]
+    median_of_token = _median_of_token(tokens, medians, ensembl)
     transform = GeneformerNormalize(
         token_of_gene, median_of_token, _n_counts(dataset, n_counts_column)
     )

@@ -130,6 +130,37 @@ def write_atlas(
         The dataset directory. Expression rows are sorted by cell then gene with no duplicate
         pair; ``cells.cell_start_index`` is the CSR indptr without its final entry.
     """
+    spec = _spec(n_cells=n_cells, n_genes=n_genes, n_plates=n_plates, mean_nnz=mean_nnz,
+                 empty_fraction=empty_fraction, seed=seed, max_rows_per_file=max_rows_per_file,
+                 value_dtype=value_dtype, n_labels=n_labels, label_weight=label_weight,
+                 label_concentration=label_concentration)  # fmt: skip
+    path = pathlib.Path(path)
+    if path.exists() or path.is_symlink():
+        if not overwrite:
+            raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    _write(path, spec, progress)
+    return path
+
+
+def _spec(
+    *,
+    n_cells: int,
+    n_genes: int,
+    n_plates: int,
+    mean_nnz: int,
+    empty_fraction: float,
+    seed: int,
+    max_rows_per_file: int | None,
+    value_dtype: str,
+    n_labels: int,
+    label_weight: float,
+    label_concentration: float,
+) -> _Spec:
+    """:func:`write_atlas`' arguments checked (each error names the argument and its range)."""
     n_cells = _check_int("n_cells", n_cells, 1, 2**32 - 1)
     n_genes = _check_int("n_genes", n_genes, 1, 2**32 - 1)
     n_plates = _check_int("n_plates", n_plates, 1, min(n_cells, _MAX_PLATES))
@@ -146,20 +177,9 @@ def write_atlas(
         raise ValueError(f"label_weight must be a number in [0, 1], got {label_weight!r}")
     if not isinstance(label_concentration, numbers.Real) or not label_concentration > 0:
         raise ValueError(f"label_concentration must be a number > 0, got {label_concentration!r}")
-    spec = _Spec(n_cells, n_genes, n_plates, mean_nnz, float(empty_fraction), seed,
+    return _Spec(n_cells, n_genes, n_plates, mean_nnz, float(empty_fraction), seed,
                  max_rows_per_file, value_dtype, n_labels, float(label_weight),
                  float(label_concentration))  # fmt: skip
-
-    path = pathlib.Path(path)
-    if path.exists() or path.is_symlink():
-        if not overwrite:
-            raise FileExistsError(f"{path} already exists; pass overwrite=True to replace it")
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    _write(path, spec, progress)
-    return path
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> int:

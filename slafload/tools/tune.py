@@ -226,16 +226,7 @@ def tune(
         seed: Seed of the loaders and of the block sample behind the label layout.
         progress: Show a progress bar over the grid points.
     """
-    for name, values in (("block_sizes", block_sizes), ("fetch_factors", fetch_factors)):
-        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
-                             for v in values):  # fmt: skip
-            raise ValueError(f"{name} must be a non-empty list of positive integers, got {values}")
-    if not target_gap >= 0:
-        raise ValueError(f"target_gap must be >= 0 bits, got {target_gap!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
-    if not seconds > 0 or not budget_s > 0:
-        raise ValueError(f"seconds and budget_s must be > 0, got {seconds!r}, {budget_s!r}")
+    _check_grid(block_sizes, fetch_factors, target_gap, repeats, seconds, budget_s)
     start = time.perf_counter()
     if label is None and "plate" in dataset.cells.schema.names:
         label = "plate"
@@ -250,16 +241,7 @@ def tune(
         "tokenizer": tokenizer, "max_genes": max_genes, "seconds_per_point": seconds,
         "repeats": repeats, "budget_s": budget_s, "seed": seed,
     }  # fmt: skip
-    points: list[dict[str, Any]] = []
-    for b in block_sizes:
-        for f in fetch_factors:
-            sampler = BlockShuffle(block_size=b, fetch_factor=f, batch_size=batch_size)
-            gap = expected_gap(layout, n_cells=dataset.n_cells, block_size=b, fetch_factor=f,
-                               batch_size=batch_size)  # fmt: skip
-            points.append({"block_size": b, "fetch_factor": f,
-                           "fetch_cells": min(sampler.blocks_per_fetch * b, dataset.n_cells),
-                           "expected_gap_bits": gap, "cells_per_s": None,
-                           "runs": []})  # fmt: skip
+    points = _points(dataset.n_cells, layout, block_sizes, fetch_factors, batch_size)
     # Candidates first (larger blocks first: usually faster), so a short budget still decides.
     order = sorted(points, key=lambda p: (p["expected_gap_bits"] > target_gap, -p["block_size"],
                                           -p["fetch_factor"]))  # fmt: skip
@@ -268,11 +250,65 @@ def tune(
     candidates = [p for p in order if p["expected_gap_bits"] <= target_gap]
     schedule = order + candidates * (repeats - 1)
     deadline = start + budget_s
+    _run(dataset, schedule, inputs, deadline, progress)
+    report = {
+        "format": FORMAT,
+        "dataset": {"uri": dataset.uri, "versions": dataset.versions},
+        "inputs": inputs,
+        "points": points,
+        "elapsed_s": time.perf_counter() - start,
+    }
+    report["recommendation"] = recommend(report)
+    return report
+
+
+def _check_grid(
+    block_sizes: Sequence[int], fetch_factors: Sequence[int], target_gap: float, repeats: int,
+    seconds: float, budget_s: float,
+) -> None:  # fmt: skip
+    """Raise ``ValueError`` naming the first of :func:`tune`'s arguments out of its range."""
+    for name, values in (("block_sizes", block_sizes), ("fetch_factors", fetch_factors)):
+        if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                             for v in values):  # fmt: skip
+            raise ValueError(f"{name} must be a non-empty list of positive integers, got {values}")
+    if not target_gap >= 0:
+        raise ValueError(f"target_gap must be >= 0 bits, got {target_gap!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    if not seconds > 0 or not budget_s > 0:
+        raise ValueError(f"seconds and budget_s must be > 0, got {seconds!r}, {budget_s!r}")
+
+
+def _points(
+    n_cells: int, layout: LabelLayout, block_sizes: Sequence[int], fetch_factors: Sequence[int],
+    batch_size: int,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """The grid's points, each with its expected entropy gap and no runs yet."""
+    points: list[dict[str, Any]] = []
+    for b in block_sizes:
+        for f in fetch_factors:
+            sampler = BlockShuffle(block_size=b, fetch_factor=f, batch_size=batch_size)
+            gap = expected_gap(layout, n_cells=n_cells, block_size=b, fetch_factor=f,
+                               batch_size=batch_size)  # fmt: skip
+            points.append({"block_size": b, "fetch_factor": f,
+                           "fetch_cells": min(sampler.blocks_per_fetch * b, n_cells),
+                           "expected_gap_bits": gap, "cells_per_s": None,
+                           "runs": []})  # fmt: skip
+    return points
+
+
+def _run(
+    dataset: SlafDataset, schedule: list[dict[str, Any]], inputs: Mapping[str, Any],
+    deadline: float, progress: bool,
+) -> None:  # fmt: skip
+    """Measure the points of ``schedule`` in order until ``deadline``, each run added to its
+    point, whose ``cells_per_s`` is the median of its runs.
+    """
     bar = progress_bar(progress, len(schedule), "tune", unit="run")
     try:
         for point in schedule:
             if time.perf_counter() >= deadline:
-                logger.info("budget of %.0f s spent; b=%d f=%d not run", budget_s,
+                logger.info("budget of %.0f s spent; b=%d f=%d not run", inputs["budget_s"],
                             point["block_size"], point["fetch_factor"])  # fmt: skip
                 continue
             run = _measure(dataset, point, inputs, deadline)
@@ -285,15 +321,6 @@ def tune(
     finally:
         if bar is not None:
             bar.close()
-    report = {
-        "format": FORMAT,
-        "dataset": {"uri": dataset.uri, "versions": dataset.versions},
-        "inputs": inputs,
-        "points": points,
-        "elapsed_s": time.perf_counter() - start,
-    }
-    report["recommendation"] = recommend(report)
-    return report
 
 
 def _measure(

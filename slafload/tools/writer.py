@@ -136,7 +136,24 @@ def _write(
                   data_storage_version=STORAGE_VERSION, **kwargs)  # fmt: skip
 
     counts = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.int64)
-    n_cells, n_rows = len(counts), int(counts.sum())
+    _write_cells_genes(path, counts, n_genes, obs, var, block_obs)
+    config = _config(len(counts), n_genes, int(counts.sum()), stats, extra_config)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def _write_cells_genes(
+    path: Path,
+    counts: np.ndarray,
+    n_genes: int,
+    obs: pa.Table | Mapping[str, Any] | None,
+    var: pa.Table | Mapping[str, Any] | None,
+    block_obs: Mapping[str, list[np.ndarray]],
+) -> None:
+    """Write ``cells.lance`` (``obs``, then the blocks' obs columns, ids and each cell's
+    ``cell_start_index`` from its row ``counts``) and ``genes.lance`` (``var`` and ids).
+    """
+    n_cells = len(counts)
     start = np.zeros(n_cells, dtype=np.int64)
     np.cumsum(counts[:-1], out=start[1:])
     cells = _columns(obs, n_cells, "obs")
@@ -153,8 +170,13 @@ def _write(
             pa.table(columns), str(path / f"{name}.lance"), data_storage_version=STORAGE_VERSION
         )
 
+
+def _config(
+    n_cells: int, n_genes: int, n_rows: int, stats: _Stats, extra_config: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """``config.json`` of a dataset of this shape (the SLAF layout's fields, docs/format.md)."""
     total = n_cells * n_genes
-    config = {
+    return {
         "format_version": "0.5",
         "array_shape": [n_cells, n_genes],
         "n_cells": n_cells,
@@ -175,8 +197,6 @@ def _write(
         "created_at": _dt.datetime.now(_dt.UTC).isoformat(),
         **dict(extra_config or {}),
     }
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    return path
 
 
 def write_batches(

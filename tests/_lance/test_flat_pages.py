@@ -19,7 +19,9 @@ import slafload._lance.flat_pages as flat_pages
 import slafload.kernels
 from slafload import Loader, open_dataset
 from slafload._lance.data_files import DataFiles
-from slafload._lance.flat_pages import FlatFile, FlatFiles, FlatRange, flat_bits, read_ranges
+from slafload._lance.file_format import FlatFiles
+from slafload._lance.flat_pages import FlatFile, flat_bits
+from slafload._lance.flat_reads import FlatRange, read_ranges
 from slafload._lance.footer import PAGE
 from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
 from slafload.pipeline.buffers import BytePool

@@ -14,8 +14,11 @@ from test_miniblock import atlas_like, shapes, write
 
 from slafload._lance import footer
 from slafload._lance.data_files import DataFiles
-from slafload._lance.flat_pages import FlatFile, FlatFiles, FlatRange, read_ranges
-from slafload._lance.footer import BAD, FULL, MORE, open_footers, read_footer, walk
+from slafload._lance.file_format import FlatFiles
+from slafload._lance.flat_pages import FlatFile
+from slafload._lance.flat_reads import FlatRange, read_ranges
+from slafload._lance.footer import BAD, FULL, MORE, walk
+from slafload._lance.footers import open_footers, read_footer
 from slafload._lance.miniblock import MiniPage, unpack_table
 from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
 from slafload.pipeline.reader import COLUMNS

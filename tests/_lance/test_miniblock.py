@@ -11,11 +11,13 @@ import pytest
 from conftest import random_counts, write_dense
 from lance.file import LanceFileReader, LanceFileWriter
 
-import slafload._lance.flat_pages as flat_pages
+import slafload._lance.flat_reads as flat_reads
 from slafload import Loader, open_dataset
 from slafload._lance import miniblock
 from slafload._lance.data_files import DataFiles
-from slafload._lance.flat_pages import GIVE_UP, FlatFile, FlatFiles, FlatRange, read_ranges
+from slafload._lance.file_format import GIVE_UP, FlatFiles
+from slafload._lance.flat_pages import FlatFile
+from slafload._lance.flat_reads import FlatRange, read_ranges
 from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
 from slafload.pipeline.reader import COLUMNS
 from slafload.samplers import BlockShuffle
@@ -368,7 +370,7 @@ def test_both_decoders_agree_on_run_length_chunks_good_and_bad(kernels, lengths,
     job = [miniblock.RLE, 2, 16, 4, 0, 0, 1, 3, 0, 0, *rows_at]  # rows 1..3 of the chunk
     out = np.zeros(8, np.uint8)
     rows = [] if alike else [np.array([0, count])]
-    decode = flat_pages._Decode(job, [np.array([0, len(chunk)])], rows)
+    decode = flat_reads._Decode(job, [np.array([0, len(chunk)])], rows)
     if not ok:
         with pytest.raises(ValueError, match="chunk"):
             decode.run(chunk, out, kernels)

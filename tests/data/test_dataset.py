@@ -89,7 +89,7 @@ def test_missing_cell_start_index_is_recomputed_from_the_expression_table(tmp_pa
 def test_opening_holds_no_per_cell_array_but_cell_start(tmp_path, monkeypatch):
     import tracemalloc
 
-    import slafload.data.dataset
+    import slafload.data.checks
     from slafload.tools.writer import CsrBlock, write_slaf
 
     n = 200_000
@@ -99,7 +99,7 @@ def test_opening_holds_no_per_cell_array_but_cell_start(tmp_path, monkeypatch):
     genes = np.tile([0, 1], int(indptr[-1]) // 2)
     path = write_slaf(tmp_path / "wide.slaf", [CsrBlock(indptr, genes, np.ones_like(genes))],
                       n_genes=2)  # fmt: skip
-    monkeypatch.setattr(slafload.data.dataset, "_BATCH_CELLS", 4096)
+    monkeypatch.setattr(slafload.data.checks, "_BATCH_CELLS", 4096)
     tracemalloc.start()
     ds = open_dataset(path)
     _, peak = tracemalloc.get_traced_memory()
@@ -116,7 +116,7 @@ def test_opening_holds_no_per_cell_array_but_cell_start(tmp_path, monkeypatch):
 )
 def test_offsets_are_checked_across_the_batches_they_are_read_in(tmp_path, monkeypatch, where,
                                                                   cell):  # fmt: skip
-    import slafload.data.dataset
+    import slafload.data.checks
     from slafload.errors import InconsistentDataError
 
     path = tmp_path / "d.slaf"
@@ -127,6 +127,6 @@ def test_offsets_are_checked_across_the_batches_they_are_read_in(tmp_path, monke
     cells = cells.set_column(cells.schema.get_field_index("cell_start_index"),
                              "cell_start_index", pa.array(start))  # fmt: skip
     lance.write_dataset(cells, str(path / "cells.lance"), mode="overwrite")
-    monkeypatch.setattr(slafload.data.dataset, "_BATCH_CELLS", 4096)
+    monkeypatch.setattr(slafload.data.checks, "_BATCH_CELLS", 4096)
     with pytest.raises(InconsistentDataError, match=rf"cell_start_index of cell {cell} breaks"):
         open_dataset(path)
