@@ -142,8 +142,11 @@ class MixedReader:
         offset = int(self.offsets[k])
         local = Fetch(fetch.index, ranges - offset, fetch.shuffle_seed)
         for batch in self.readers[k].read(local, cell_ids=cell_ids):
-            if offset and "cell_integer_id" in batch.schema.names:
-                batch = _shift_cells(batch, offset, int(self.offsets[-1]))
+            if "cell_integer_id" in batch.schema.names:
+                if not cell_ids:  # another source's read may lack it: one schema per fetch
+                    batch = batch.drop_columns(["cell_integer_id"])
+                elif offset:
+                    batch = _shift_cells(batch, offset, int(self.offsets[-1]))
             yield batch
 
 
