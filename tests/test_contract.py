@@ -1,9 +1,10 @@
 """The output contract: every batch equals an independent reference, on every path.
 
 hypothesis draws small SLAF datasets (cells with 0 to a few hundred genes, exact ties, unsorted
-and repeated genes, cells deleted with Lance's ``delete``, every value and id dtype a SLAF table may hold, several data files, Lance
-file formats 2.0 and 2.1+) and loader settings (tokenizer x layout x ``max_genes`` at every
-integer-type edge x ``token_dtype`` x kernels x where tokens are made x sampler x mixture x
+and repeated genes, cells deleted with Lance's ``delete``, every value and id dtype a SLAF
+table may hold, several data files, Lance file formats 2.0 and 2.1+) and loader settings
+(tokenizer x layout x ``max_genes`` at every integer-type edge x ``token_dtype`` x kernels x
+where tokens are made x sampler x mixture, cell- or batch-mixed x reader, direct or Lance's x
 ranks x resume), streams one epoch through a real :class:`~slafload.Loader`, and checks every
 batch against ``contract_reference`` (plain Python from the specification, no slafload code):
 tokens, masks, ``cu_seqlens``/``position_ids``, values, obs codes, cell ids and sources, dtypes,
@@ -27,7 +28,7 @@ from contract_reference import Atlas, delete_cells, expected_batch, write
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from slafload import Loader
+from slafload import Loader, Mixture, Tuning
 from slafload.samplers import BlockShuffle, Streaming
 
 EXAMPLES = int(os.environ.get("SLAFLOAD_CONTRACT_EXAMPLES", "25"))
@@ -116,6 +117,8 @@ def cases(draw) -> dict[str, Any]:
         if n_sources == 1
         else "chunk",
         "obs": draw(st.booleans()),
+        "mix": draw(st.sampled_from(["cell", "batch"])),
+        "reader": draw(st.sampled_from(["auto", "auto", "lance"])),
         "deleted": [
             sorted(draw(st.sets(st.integers(0, len(a.cells) - 1), max_size=3))) for a, _ in sources
         ],
@@ -134,13 +137,15 @@ def make_loader(paths: list[Path], case: dict[str, Any], **extra: Any) -> Loader
         "block": BlockShuffle(block_size=2, fetch_factor=2),
     }[case["sampler"]]
     device = "cpu" if settings["tokenize_on"] == "device" else None
+    source = Mixture([str(p) for p in paths], mix=case["mix"]) if len(paths) > 1 else str(paths[0])
     return Loader(
-        [str(p) for p in paths] if len(paths) > 1 else str(paths[0]),
+        source,
         tokenizer=case["tokenizer"],
         tokenizer_options=options,
         sampler=sampler,
         device=device,
         obs_columns=["plate"] if case["obs"] else (),
+        tuning=Tuning(reader=case["reader"]),
         **settings,
         **extra,
     )
