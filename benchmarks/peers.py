@@ -138,8 +138,10 @@ def _slafdb(spec: dict[str, Any]) -> Iterator[Any]:
     from slaf import SLAFArray
     from slaf.ml.dataloaders import SLAFDataLoader
 
+    array = SLAFArray(spec["path"])
+    array.wait_for_metadata()  # else its prefetcher may start first and yield nothing
     loader = SLAFDataLoader(
-        SLAFArray(spec["path"]), tokenizer_type="geneformer", batch_size=BATCH_SIZE,
+        array, tokenizer_type="geneformer", batch_size=BATCH_SIZE,
         max_genes=spec["max_genes"], n_epochs=1000, verbose=False,
     )  # fmt: skip
     try:
