@@ -33,7 +33,9 @@ import numpy as np
 
 import slafload
 from slafload.samplers import BlockShuffle, ChunkShuffle, Sampler
-from slafload.tools.bench import ensure_atlas, progress, raw_floor
+from slafload.tools.bench_args import ensure_atlas
+from slafload.tools.bench_measure import progress
+from slafload.tools.bench_runs import raw_floor
 from slafload.tools.diversity import batch_entropy, entropy, entropy_bounds
 
 ROOT = Path.cwd()

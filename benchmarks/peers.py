@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--only: unknown contenders {sorted(unknown)}; known: {CONTENDERS}")
     import numpy as np
 
-    from slafload.tools.bench import machine, save_report
+    from slafload.tools.bench_report import machine, save_report
 
     load_at_start = os.getloadavg()  # other users of the machine: their load is the noise
     data = Path(args.data) / f"{args.cells}x{args.genes}"

@@ -34,7 +34,7 @@ import torch
 
 import slafload
 from slafload.samplers import BlockShuffle, ChunkShuffle, Sampler, Streaming, Subset
-from slafload.tools.bench import progress
+from slafload.tools.bench_measure import progress
 from slafload.tools.convert import convert
 from slafload.tools.diversity import batch_entropy
 from slafload.tools.synthetic import write_atlas

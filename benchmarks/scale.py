@@ -57,7 +57,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
-from slafload.tools.bench import machine, save_report
+from slafload.tools.bench_report import machine, save_report
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = (1, 16, 64, 256)

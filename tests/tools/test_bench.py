@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import load_script
 
-from slafload.tools.bench import ensure_atlas
+from slafload.tools.bench_args import ensure_atlas
 
 
 def test_a_cached_atlas_is_reused_when_it_matches_and_rewritten_when_it_does_not(tmp_path):
@@ -50,7 +50,8 @@ def test_the_dataloader_contender_streams_through_worker_processes_and_ends_them
     import multiprocessing
 
     from slafload import open_dataset
-    from slafload.tools.bench import Clock, dataloader_run
+    from slafload.tools.bench_measure import Clock
+    from slafload.tools.bench_runs import dataloader_run
 
     ds = open_dataset(small_slaf)
     args = argparse.Namespace(batch_size=16, max_genes=8, token_dtype="int64")
@@ -62,7 +63,7 @@ def test_the_dataloader_contender_streams_through_worker_processes_and_ends_them
 
 
 def test_the_steady_window_starts_once_the_warm_up_cells_are_in():
-    from slafload.tools.bench import Clock, consume
+    from slafload.tools.bench_measure import Clock, consume
 
     clock = Clock(warmup=5)
     batches = iter([{"input_ids": [0] * 3} for _ in range(10)])
@@ -102,7 +103,8 @@ def test_the_benchmark_runs_on_a_dataset_of_ones_own_for_a_fraction_of_an_epoch(
 
 def test_the_raw_scan_counts_whole_epochs_and_the_cells_of_a_remainder(small_slaf):
     from slafload import open_dataset
-    from slafload.tools.bench import Clock, raw_floor
+    from slafload.tools.bench_measure import Clock
+    from slafload.tools.bench_runs import raw_floor
 
     ds = open_dataset(small_slaf)
     clock = Clock()
@@ -138,10 +140,10 @@ def test_the_scale_benchmark_reports_medians_and_rss_growth_by_atlas_size(tmp_pa
 
 
 def test_the_default_run_is_quick_and_writes_outside_the_tracked_tree():
-    from slafload.tools.bench import QUICK, _wants_full, parser
+    from slafload.tools.bench_args import QUICK, parser, wants_full
 
-    assert not _wants_full([]) and not _wants_full(["--cells", "10"])
-    assert _wants_full(["--no-peers", "--full"])
+    assert not wants_full([]) and not wants_full(["--cells", "10"])
+    assert wants_full(["--no-peers", "--full"])
     args = parser().parse_args([])
     assert Path(args.out).parts[0] == "slafload-bench" == Path(args.data).parts[0]
     assert QUICK["cells"] < args.cells  # --full keeps the parser's own defaults

@@ -195,11 +195,11 @@ def test_verbose_is_accepted_after_the_command_as_before_it(tmp_path, capsys):
 
 
 def test_every_bench_and_tune_option_has_help_text():
-    from slafload.tools import bench
+    from slafload.tools.bench_args import parser as bench_parser
     from slafload.tools.cli import _parser
 
     tune = _parser()._subparsers._group_actions[0].choices["tune"]  # type: ignore[union-attr]
-    for name, parser in (("bench", bench.parser()), ("tune", tune)):
+    for name, parser in (("bench", bench_parser()), ("tune", tune)):
         bare = [a.option_strings or a.dest for a in parser._actions if not a.help]
         assert not bare, f"{name} options without help: {bare}"
 
