@@ -7,7 +7,8 @@ modules, from ``Loader(...)`` to the training loop)::
     torch_data.py   SlafIterableDataset: the face for code built around DataLoader
     config.py       LoaderConfig, Tuning, RetryPolicy
     errors.py       every exception class
-    types.py        the contracts between stages (Fetch, Plan, Chunk, RankedChunk, Batch...)
+    types.py        the contracts between stages (Fetch, Plan, Chunk, RankedChunk...) and
+                    the batches a training loop receives (PaddedBatch, PackedBatch)
     kernels.py      compiled (numba) per-cell loops, numpy otherwise; warm_up()
     distributed.py  rank and world size, found without communication
     data/           open and validate a dataset (dataset), its cell offsets, mixtures
@@ -47,6 +48,7 @@ from slafload.errors import (
 )
 from slafload.tokenizers import Geneformer, Raw, ScGPT, Tokenizer, available_tokenizers
 from slafload.tools.convert import convert
+from slafload.types import LoaderBatch, PackedBatch, PaddedBatch
 
 __version__ = "0.1.0"
 
@@ -76,12 +78,15 @@ __all__ = [
     "Geneformer",
     "InconsistentDataError",
     "Loader",
+    "LoaderBatch",
     "LoaderConfig",
     "LoaderError",
     "MediansError",
     "MissingTableError",
     "Mixture",
     "MixtureError",
+    "PackedBatch",
+    "PaddedBatch",
     "Raw",
     "ReadError",
     "RetryPolicy",

@@ -34,7 +34,7 @@ from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
 from slafload.tokenizers import make_tokenizer
 from slafload.torch_data import SlafIterableDataset
 from slafload.transforms.vocab import Vocabulary
-from slafload.types import Batch, ChunkTransform, Sampler, Tokenizer
+from slafload.types import ChunkTransform, LoaderBatch, Sampler, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +70,9 @@ class Loader:
             that moved into :class:`~slafload.config.Tuning` or was removed raises
             ``TypeError`` naming its replacement.
 
-    Each batch holds the tokenizer's arrays (``input_ids``, ``attention_mask``, ...) and
-    ``cell_integer_id``; ``layout="longest"`` pads them only to the batch's longest cell and
+    Each batch (a :class:`~slafload.types.PaddedBatch`, or with ``layout="packed"`` a
+    :class:`~slafload.types.PackedBatch`) holds the tokenizer's arrays (``input_ids``,
+    ``attention_mask``, ...) and ``cell_integer_id``; ``layout="longest"`` pads them only to the batch's longest cell and
     ``layout="packed"`` puts every cell's tokens back to back with ``cu_seqlens`` and
     ``position_ids`` (see :mod:`slafload.pipeline.layout`). ``tokenize_on="device"`` ships each
     batch's sparse expression instead and tokenizes it on ``device`` in ``next()``, with
@@ -186,7 +187,7 @@ class Loader:
 
     # -- iteration -------------------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[LoaderBatch]:
         self._close_active()
         self._active = _LoaderIterator(self)
         return self._active
@@ -303,7 +304,7 @@ class Loader:
         )
 
 
-class _LoaderIterator(Iterator[Batch]):
+class _LoaderIterator(Iterator[LoaderBatch]):
     """The thin consumer side: takes deliveries, moves them to the device, tracks position."""
 
     def __init__(self, loader: Loader):
@@ -319,12 +320,13 @@ class _LoaderIterator(Iterator[Batch]):
         # Stops the thread if this iterator is dropped without close() (e.g. after `break`).
         self._finalizer = weakref.finalize(self, self._prefetcher.close)
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> LoaderBatch:
         delivery = next(self._prefetcher)
         loader = self._loader()
         if loader is not None:
             loader._position = delivery.after
-        return self._consume(delivery.batch, self._device, self._non_blocking)
+        batch = self._consume(delivery.batch, self._device, self._non_blocking)
+        return cast(LoaderBatch, batch)  # the layout's keys (types.PaddedBatch, PackedBatch)
 
     def close(self) -> None:
         self._finalizer()

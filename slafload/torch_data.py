@@ -27,7 +27,7 @@ import atexit
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -38,11 +38,13 @@ from slafload.errors import StateError
 from slafload.pipeline import epochs
 from slafload.pipeline.chain import ChainSpec
 from slafload.pipeline.epochs import Delivery, Position, Run
-from slafload.types import Batch, ChunkTransform, Sampler, Tokenizer
+from slafload.types import ChunkTransform, LoaderBatch, Sampler, Tokenizer
 
 
-class SlafIterableDataset(IterableDataset[Batch]):
-    """Batches of one epoch per iteration, split among DataLoader workers.
+class SlafIterableDataset(IterableDataset[LoaderBatch]):
+    """Batches of one epoch per iteration, split among DataLoader workers: the loader's
+    (:class:`~slafload.types.PaddedBatch`, or :class:`~slafload.types.PackedBatch` with
+    ``layout="packed"``).
 
     Built by :meth:`slafload.Loader.as_torch_dataset`; holds only picklable settings.
     """
@@ -108,7 +110,7 @@ class SlafIterableDataset(IterableDataset[Batch]):
         spec = ChainSpec(ds, s["tokenizer"], s["config"], transforms=s["transforms"], obs=obs)
         return Run(spec, s["sampler"], rank=s["rank"], world_size=s["world_size"])
 
-    def __iter__(self) -> Iterator[Batch]:
+    def __iter__(self) -> Iterator[LoaderBatch]:
         # Not a generator itself: the position moves to the new epoch as soon as iteration
         # starts, so a state taken before this copy's first batch already points there.
         worker, n_workers = _worker()
@@ -125,10 +127,10 @@ class SlafIterableDataset(IterableDataset[Batch]):
         self._progress = (epoch, skip)
         return self._batches(run.epoch(epoch, skip=skip, worker=worker, n_workers=n_workers))
 
-    def _batches(self, deliveries: Iterator[Delivery]) -> Iterator[Batch]:
+    def _batches(self, deliveries: Iterator[Delivery]) -> Iterator[LoaderBatch]:
         for delivery in deliveries:
             self._progress = (delivery.after.epoch, delivery.after.cells)
-            yield delivery.batch
+            yield cast(LoaderBatch, delivery.batch)
         # In-process, a finished epoch points at the next one. A worker's copy keeps pointing
         # at its finished share: StatefulDataLoader restores an exhausted worker of an epoch
         # still under way, and that worker must yield nothing more.

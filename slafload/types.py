@@ -4,10 +4,10 @@ Data flows one way through these types::
 
     Sampler --plan--> Plan of Fetch --read--> Chunk --rank--> RankedChunk --Tokenizer--> Arrays
                                              (ChunkTransform: Chunk -> Chunk, before ranking)
-    Arrays --batch--> Batch (torch tensors)
+    Arrays --batch--> Batch (torch tensors) --consumer--> PaddedBatch | PackedBatch
 
-Every type here is a frozen dataclass or a ``Protocol``: stages exchange values, never
-mutate what they were given.
+Every type here is a frozen dataclass, a ``Protocol`` or a ``TypedDict``: stages exchange
+values, never mutate what they were given.
 """
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, Protocol, overload, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Annotated,
+    Any,
+    Protocol,
+    Required,
+    TypedDict,
+    overload,
+    runtime_checkable,
+)
 
 import numpy as np
 
@@ -28,7 +37,82 @@ Arrays = dict[str, np.ndarray]
 """Row-aligned numpy arrays: a tokenizer's output, then a training batch before torch."""
 
 Batch = dict[str, "torch.Tensor"]
-"""A training batch as the consumer receives it: names to tensors of ``batch_size`` rows."""
+"""A training batch between the stages: names to tensors (what the consumer receives is typed
+by :data:`LoaderBatch`)."""
+
+
+# -- batches: what a training loop receives ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A batch entry's shape and the dtypes it may have: the metadata of each annotation in
+    :class:`PaddedBatch` and :class:`PackedBatch` (``typing.get_type_hints(...,
+    include_extras=True)`` returns it).
+
+    Attributes:
+        dims: The tensor's dimensions by name: ``batch`` (cells of the batch), ``batch + 1``,
+            ``width`` (token positions of a padded row) or ``tokens`` (a packed batch's
+            tokens, ``cu_seqlens[-1]``).
+        dtypes: The torch dtypes it may have (``int32`` token streams with
+            ``token_dtype="int32"``; raw ``values`` are ``float32``).
+    """
+
+    dims: tuple[str, ...]
+    dtypes: tuple[str, ...]
+
+
+_TOKENS = ("int64", "int32")  # token_dtype
+_PER_CELL = TensorSpec(("batch",), ("int64",))
+
+
+class _CellColumns(TypedDict, total=False):
+    cell_integer_id: Required[Annotated[torch.Tensor, _PER_CELL]]
+    """The cells' ids in their dataset (in its source, for a mixture)."""
+    source: Annotated[torch.Tensor, _PER_CELL]
+    """A mixture's source codes, indexed into ``Loader.source_names``."""
+    lengths: Annotated[torch.Tensor, _PER_CELL]
+    """``raw``: each cell's expressed genes kept (at most ``max_genes``)."""
+
+
+class PaddedBatch(_CellColumns, total=False):
+    """A batch of ``layout="padded"`` or ``"longest"``: token rows ``[batch, width]``, with
+    ``width`` the tokenizer's (``padded``) or the batch's longest cell's (``longest``).
+
+    Which keys a batch holds depends on the tokenizer: ``geneformer`` ``input_ids`` and
+    ``attention_mask``; ``scgpt`` those and ``values`` (bins plus the value offset); ``raw``
+    ``gene_ids`` (padded with -1), ``values`` (``float32``, padded with 0) and ``lengths``.
+    Every batch has ``cell_integer_id``; a mixture's has ``source``; each of ``obs_columns``
+    is one more ``int64 [batch]`` entry under its own name, and a plugin tokenizer's arrays
+    come under theirs (neither is declared here).
+    """
+
+    input_ids: Annotated[torch.Tensor, TensorSpec(("batch", "width"), _TOKENS)]
+    attention_mask: Annotated[torch.Tensor, TensorSpec(("batch", "width"), ("bool",))]
+    values: Annotated[torch.Tensor, TensorSpec(("batch", "width"), (*_TOKENS, "float32"))]
+    gene_ids: Annotated[torch.Tensor, TensorSpec(("batch", "width"), _TOKENS)]
+
+
+class PackedBatch(_CellColumns, total=False):
+    """A batch of ``layout="packed"``: every token stream one 1-D tensor of the cells' real
+    tokens back to back, with no padding and no ``attention_mask``.
+
+    ``cu_seqlens[i]:cu_seqlens[i + 1]`` are cell ``i``'s tokens (FlashAttention's varlen
+    convention), and ``position_ids`` restart at 0 for each cell. The token streams are the
+    padded layout's (``input_ids``; scGPT's ``values``; raw ``gene_ids``, ``values``), and so
+    are the per-cell entries, obs columns included.
+    """
+
+    cu_seqlens: Required[Annotated[torch.Tensor, TensorSpec(("batch + 1",), ("int32",))]]
+    position_ids: Required[Annotated[torch.Tensor, TensorSpec(("tokens",), _TOKENS)]]
+    input_ids: Annotated[torch.Tensor, TensorSpec(("tokens",), _TOKENS)]
+    values: Annotated[torch.Tensor, TensorSpec(("tokens",), (*_TOKENS, "float32"))]
+    gene_ids: Annotated[torch.Tensor, TensorSpec(("tokens",), _TOKENS)]
+
+
+LoaderBatch = PaddedBatch | PackedBatch
+"""What :class:`~slafload.Loader` and its DataLoader face yield: a :class:`PaddedBatch`, or a
+:class:`PackedBatch` with ``layout="packed"`` (the loader's ``config.layout`` says which)."""
 
 
 class Offsets(Protocol):

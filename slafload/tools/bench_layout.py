@@ -20,8 +20,9 @@ Library code never prints; the benchmark driver (:mod:`slafload.tools.bench`) re
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from contextlib import closing
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -41,7 +42,7 @@ LAYOUTS = ("padded", "longest", "packed")
 PLACEMENTS = ("producer", "device")
 
 
-def token_counts(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+def token_counts(batch: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     """(positions attended over, real tokens) of one batch, in any layout."""
     key = "input_ids" if "input_ids" in batch else "gene_ids"
     positions = batch[key].numel()
@@ -80,9 +81,10 @@ def consumer_cost(
             elapsed = time.perf_counter() - start
             if i >= 20:  # the first batches wait for the producer to start
                 times.append(elapsed)
-                p, r = token_counts(batch)
+                tensors = cast(Mapping[str, torch.Tensor], batch)
+                p, r = token_counts(tensors)
                 positions, real = positions + p, real + r
-                nbytes += sum(v.numel() * v.element_size() for v in batch.values())
+                nbytes += sum(v.numel() * v.element_size() for v in tensors.values())
                 cells += len(batch["cell_integer_id"])
             time.sleep(step_s)  # the training step, during which the producer refills
     ms = np.asarray(times) * 1e3

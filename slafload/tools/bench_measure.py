@@ -12,7 +12,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 
@@ -87,7 +87,7 @@ class Clock:
 
 
 def consume(
-    batches: Iterator[dict[str, Any]], clock: Clock, until: int, key: str = "input_ids"
+    batches: Iterator[Mapping[str, Any]], clock: Clock, until: int, key: str = "input_ids"
 ) -> int:
     """Draw batches until ``clock`` has counted ``until`` cells in all; the cells counted."""
     for batch in batches:
