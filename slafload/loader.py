@@ -26,15 +26,14 @@ from slafload.data.mixture import Mixture, open_source
 from slafload.distributed import resolve_rank
 from slafload.errors import LayoutError, MixtureError, StateError
 from slafload.pipeline import epochs
-from slafload.pipeline.chain import ChainSpec
-from slafload.pipeline.epochs import Delivery, Position, Run
+from slafload.pipeline.epochs import Delivery, Position
 from slafload.pipeline.prefetcher import Prefetcher
 from slafload.presets import PRESET_NAMES, Preset, make_preset
 from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
 from slafload.tokenizers import make_tokenizer
 from slafload.torch_data import SlafIterableDataset
 from slafload.transforms.vocab import Vocabulary
-from slafload.types import ChunkTransform, LoaderBatch, Sampler, Tokenizer
+from slafload.types import CellSource, ChunkTransform, LoaderBatch, Sampler, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +98,7 @@ class Loader:
     ):
         check_settings(settings)
         self.config = LoaderConfig(**settings)
-        self.dataset = open_source(dataset, weights=weights, vocabulary=vocabulary)
+        self.dataset: CellSource = open_source(dataset, weights=weights, vocabulary=vocabulary)
         mixture = isinstance(self.dataset, Mixture)
         named_preset = isinstance(tokenizer, str) and tokenizer in PRESET_NAMES
         if mixture and (isinstance(tokenizer, Preset) or named_preset):
@@ -144,7 +143,7 @@ class Loader:
                 "pin_memory=True needs a CUDA device, and none is available; "
                 "leave pin_memory unset or False on CPU-only machines"
             )
-        reserved = {"cell_integer_id", *(["source"] if mixture else [])} & set(obs_columns)
+        reserved = {"cell_integer_id", *self.dataset.cell_columns()} & set(obs_columns)
         if reserved:
             raise ValueError(
                 f"obs_columns may not include {sorted(reserved)}: every batch "
@@ -153,37 +152,24 @@ class Loader:
         self.rank, self.world_size = resolve_rank(rank, world_size)
         self._transforms = tuple(transforms)
         self._obs_columns = tuple(obs_columns)
-        if isinstance(self.dataset, Mixture):
-            self.dataset.check_values(self.tokenizer, self._transforms)
+        self.dataset.check_values(self.tokenizer, self._transforms)
         self._build_run()
         self._position = Position()
         self._active: _LoaderIterator | None = None
 
     def _build_run(self) -> None:
-        codes = {name: self.dataset.obs_codes(name) for name in self._obs_columns}
-        self.obs_categories = {name: cats for name, (_, cats) in codes.items()}
-        obs = {name: c for name, (c, _) in codes.items()}
-        transforms, sampler = self._transforms, self.sampler
-        if isinstance(self.dataset, Mixture):  # per-source samplers, remaps and columns
-            batch_size = self.config.batch_size
-            sampler = self.dataset.sampler(
-                sampler,
-                lambda s: bind_batch_size(s, batch_size),
-                batch_size,
-                self.config.tuning.memory_budget,
-            )
-            transforms = (self.dataset.transform, *transforms)
-            obs.update(self.dataset.cell_columns())
-        spec = ChainSpec(
+        self._run, self.obs_categories = epochs.build_run(
             self.dataset,
             self.tokenizer,
             self.config,
-            transforms=transforms,
-            obs=obs,
+            self.sampler,
+            transforms=self._transforms,
+            obs_columns=self._obs_columns,
             pin_memory=self.pin_memory,
+            rank=self.rank,
+            world_size=self.world_size,
         )
-        self._run = Run(spec, sampler, rank=self.rank, world_size=self.world_size)
-        spec.tokens  # noqa: B018  (checks the tokenizer fits layout/tokenize_on now)
+        self._run.spec.tokens  # noqa: B018  (checks the tokenizer fits layout/tokenize_on now)
 
     # -- iteration -------------------------------------------------------------------------
 
@@ -199,7 +185,7 @@ class Loader:
     @property
     def source_names(self) -> tuple[str, ...] | None:
         """A mixture's source names, indexed by the batches' ``source`` codes; else ``None``."""
-        return self.dataset.source_names if isinstance(self.dataset, Mixture) else None
+        return self.dataset.source_names
 
     @property
     def position(self) -> Position:

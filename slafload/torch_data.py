@@ -32,13 +32,11 @@ from typing import Any, cast
 from torch.utils.data import IterableDataset, get_worker_info
 
 from slafload.config import LoaderConfig
-from slafload.data.dataset import SlafDataset, open_dataset
-from slafload.data.mixture import Mixture
+from slafload.data.dataset import open_dataset
 from slafload.errors import StateError
 from slafload.pipeline import epochs
-from slafload.pipeline.chain import ChainSpec
 from slafload.pipeline.epochs import Delivery, Position, Run
-from slafload.types import ChunkTransform, LoaderBatch, Sampler, Tokenizer
+from slafload.types import CellSource, ChunkTransform, LoaderBatch, Sampler, Tokenizer
 
 
 class SlafIterableDataset(IterableDataset[LoaderBatch]):
@@ -104,11 +102,13 @@ class SlafIterableDataset(IterableDataset[LoaderBatch]):
             self._run = self._run_on(ds)
         return self._run
 
-    def _run_on(self, ds: SlafDataset | Mixture) -> Run:
+    def _run_on(self, ds: CellSource) -> Run:
         s = self._settings
-        obs = {name: ds.obs_codes(name)[0] for name in s["obs_columns"]}
-        spec = ChainSpec(ds, s["tokenizer"], s["config"], transforms=s["transforms"], obs=obs)
-        return Run(spec, s["sampler"], rank=s["rank"], world_size=s["world_size"])
+        run, _ = epochs.build_run(
+            ds, s["tokenizer"], s["config"], s["sampler"], transforms=s["transforms"],
+            obs_columns=s["obs_columns"], rank=s["rank"], world_size=s["world_size"],
+        )  # fmt: skip
+        return run
 
     def __iter__(self) -> Iterator[LoaderBatch]:
         # Not a generator itself: the position moves to the new epoch as soon as iteration

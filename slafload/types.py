@@ -12,7 +12,7 @@ values, never mutate what they were given.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import (
@@ -346,3 +346,79 @@ class Tokenizer(Protocol):
 
     def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
         """Equal-length arrays, one row per output cell."""
+
+
+# -- sources: what the chain streams cells from ------------------------------------------------
+
+
+class CellSource(Protocol):
+    """What a run streams cells from: an opened :class:`~slafload.data.dataset.SlafDataset`,
+    or a :class:`~slafload.data.mixture.Mixture` of several that numbers their cells one after
+    the other.
+
+    The chain reads through it (``reader``, ``cell_start``, ``row_bytes``), checkpoints record
+    it (``uri``, ``versions``), and the front ends ask it what a mixture adds instead of
+    asking whether it is one: a dataset answers with nothing (``source_names`` and
+    ``transform`` are ``None``, ``cell_columns()`` is empty, ``sampler(default, ...)`` is
+    ``default``, ``check_values`` accepts everything).
+    """
+
+    @property
+    def uri(self) -> str:
+        """The dataset's directory or URI (a mixture's names its sources)."""
+
+    @property
+    def n_cells(self) -> int:
+        """Cells, numbered ``0 .. n_cells - 1``."""
+
+    @property
+    def n_genes(self) -> int:
+        """Genes (a mixture's: its shared vocabulary's)."""
+
+    @property
+    def versions(self) -> Mapping[str, Any]:
+        """The pinned Lance versions (a mixture's: by source name)."""
+
+    @property
+    def storage_options(self) -> Mapping[str, str] | None:
+        """Lance storage options the tables were opened with."""
+
+    @property
+    def cell_start(self) -> Offsets:
+        """CSR offsets of the cells' expression rows."""
+
+    @property
+    def source_names(self) -> tuple[str, ...] | None:
+        """A mixture's source names, indexed by the batches' ``source`` codes; else ``None``."""
+
+    @property
+    def transform(self) -> ChunkTransform | None:
+        """The chunk transform every chunk runs first (a mixture's per-source work)."""
+
+    def reader(self, options: Any = None) -> Any:
+        """The reader of this source's fetches (``options``: a ``ReadOptions``)."""
+
+    def row_bytes(self, columns: list[str]) -> int:
+        """Bytes of one expression row of ``columns``, as the memory budget counts them."""
+
+    def obs_codes(self, column: str) -> tuple[Any, list[Any] | None]:
+        """One obs column as ``int64`` codes indexable by cell id, and its categories."""
+
+    def cell_columns(self) -> Mapping[str, Any]:
+        """Per-cell columns every batch carries besides the obs columns (a mixture's
+        ``source`` and per-source ``cell_integer_id``).
+        """
+
+    def sampler(
+        self,
+        default: Sampler,
+        bind: Callable[[Sampler], Sampler] = ...,
+        batch_size: int = 1,
+        memory_budget: int | None = None,
+    ) -> Sampler:
+        """The sampler of a run over this source, ``default`` the loader's (bound to its batch
+        size); ``bind`` binds a mixture's per-source samplers the same way.
+        """
+
+    def check_values(self, tokenizer: Tokenizer, transforms: Sequence[ChunkTransform]) -> None:
+        """Refuse values that ``tokenizer`` and ``transforms`` cannot take together."""

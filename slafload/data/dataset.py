@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -39,6 +39,7 @@ from slafload.errors import (
 
 if TYPE_CHECKING:
     from slafload.pipeline.reader import Reader, ReadOptions
+    from slafload.types import ChunkTransform, Sampler, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,35 @@ class SlafDataset:
     def var(self, columns: list[str] | None = None) -> pl.DataFrame:
         """Gene metadata (the ``genes`` table) in gene-id order."""
         return cast(pl.DataFrame, pl.from_arrow(self.genes.to_table(columns=columns)))
+
+    # -- what a run asks of any cell source (types.CellSource); a mixture adds to each ------
+
+    @property
+    def source_names(self) -> None:
+        """``None``: one dataset has no sources (a mixture's names them)."""
+        return None
+
+    @property
+    def transform(self) -> None:
+        """``None``: chunks run only the loader's transforms (a mixture's run its sources')."""
+        return None
+
+    def cell_columns(self) -> dict[str, Any]:
+        """No per-cell columns besides ``cell_integer_id`` and the obs columns."""
+        return {}
+
+    def sampler(
+        self,
+        default: Sampler,
+        bind: Callable[[Sampler], Sampler] = lambda s: s,
+        batch_size: int = 1,
+        memory_budget: int | None = None,
+    ) -> Sampler:
+        """``default``: the loader's sampler plans this dataset's epochs as it is."""
+        return default
+
+    def check_values(self, tokenizer: Tokenizer, transforms: Sequence[ChunkTransform]) -> None:
+        """Accept any values: one dataset holds one kind."""
 
     def __repr__(self) -> str:
         return (

@@ -18,10 +18,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from slafload.config import LoaderConfig
-from slafload.data.dataset import SlafDataset
 from slafload.kernels import Kernels
 from slafload.pipeline.batcher import Batches, ToTorch
 from slafload.pipeline.buffers import BytePool
@@ -35,10 +34,7 @@ from slafload.pipeline.read import Read, RetryingReader
 from slafload.pipeline.reader import COLUMNS, ReadOptions
 from slafload.pipeline.stage import Stage
 from slafload.pipeline.tokenize import Tokenize, make_token_stage
-from slafload.types import Batch, ChunkTransform, Tokenizer
-
-if TYPE_CHECKING:
-    from slafload.data.mixture import Mixture
+from slafload.types import Batch, CellSource, ChunkTransform, Tokenizer
 
 Observe = Callable[[str, Stage[Any]], Stage[Any]]
 """Wraps each stage as it is built, by name (the benchmark times stages this way)."""
@@ -50,7 +46,7 @@ class ChainSpec:
 
     Attributes:
         dataset: The pinned dataset, or a :class:`~slafload.data.mixture.Mixture` of several
-            (it provides the same reader, offsets and size).
+            (a :class:`~slafload.types.CellSource`: the same reader, offsets and size).
         tokenizer: Turns ranked pieces into arrays.
         config: Loader settings (read, piece and batch sizes, retries, read-ahead).
         transforms: Chunk transforms run before ranking, in order.
@@ -61,7 +57,7 @@ class ChainSpec:
             chains of later epochs read them without ``cell_integer_id``.
     """
 
-    dataset: SlafDataset | Mixture
+    dataset: CellSource
     tokenizer: Tokenizer
     config: LoaderConfig
     transforms: tuple[ChunkTransform, ...] = ()
@@ -150,7 +146,7 @@ def build_chain(
         checked=checked,
     )
     s: Stage[Any] = observe("read", read)
-    s = observe("assemble", Assemble(s, ds, checked))  # type: ignore[arg-type]  # duck-typed
+    s = observe("assemble", Assemble(s, ds, checked))
     s = observe("shuffle", Shuffle(s))
     s = observe("transform", Transform(s, spec.transforms))
     s = observe("split", Split(s, tuning.piece_cells))

@@ -20,7 +20,6 @@ import numpy as np
 import pyarrow as pa
 
 from slafload._lance import integrity
-from slafload.data.dataset import SlafDataset
 from slafload.errors import InconsistentDataError
 from slafload.pipeline import budget
 from slafload.pipeline.buffers import gather_runs, scratch
@@ -29,7 +28,7 @@ from slafload.pipeline.ranges import RangeSet, expand
 from slafload.pipeline.read import CHECKED_RANGES, Group
 from slafload.pipeline.stage import Stage
 from slafload.samplers.base import shuffle_order
-from slafload.types import Chunk, ChunkTransform, Fetch, Offsets
+from slafload.types import CellSource, Chunk, ChunkTransform, Fetch, Offsets
 
 
 def assemble(
@@ -268,7 +267,7 @@ class Assemble(Stage[tuple[Part, Chunk]]):
     """
 
     def __init__(
-        self, source: Iterator[Group], dataset: SlafDataset, checked: RangeSet | None = None
+        self, source: Iterator[Group], dataset: CellSource, checked: RangeSet | None = None
     ):
         super().__init__(source)
         self.dataset, self.checked = dataset, checked

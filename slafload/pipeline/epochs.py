@@ -8,6 +8,10 @@ is ``(epoch, cells consumed in it, completed segments)``, and which cells those 
 arithmetic on ``(seed, epoch, rank, world_size)``, so a run resumes exactly, on the same or
 (elastic resume) another number of ranks.
 
+:func:`build_run` builds a front end's run from its settings: the one place a
+:class:`~slafload.pipeline.chain.ChainSpec` and a :class:`Run` are made, for the loader, its
+DataLoader face and the benchmark's stage profile alike.
+
 The resume state has one schema (:data:`STATE_FORMAT`, version :data:`STATE_VERSION`),
 written by :func:`make_state` and read by :func:`read_state` for both
 :class:`~slafload.Loader` and the ``IterableDataset`` face.
@@ -20,19 +24,18 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from slafload.data.dataset import SlafDataset, open_dataset
+from slafload.config import LoaderConfig
+from slafload.data.dataset import open_dataset
 from slafload.errors import LoaderError, StateError
 from slafload.pipeline.chain import ChainSpec, build_chain
 from slafload.pipeline.partition import Part, RankShare, Segment, rank_share
-from slafload.types import Batch, Sampler
-
-if TYPE_CHECKING:
-    from slafload.data.mixture import Mixture
+from slafload.samplers.base import bind_batch_size
+from slafload.types import Batch, CellSource, ChunkTransform, Sampler, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +170,49 @@ class _Leg:
     history: tuple[Segment, ...]
     skip: int
     cells: int
+
+
+def build_run(
+    dataset: CellSource,
+    tokenizer: Tokenizer,
+    config: LoaderConfig,
+    sampler: Sampler,
+    *,
+    transforms: Sequence[ChunkTransform] = (),
+    obs_columns: Sequence[str] = (),
+    pin_memory: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
+) -> tuple[Run, dict[str, list[Any] | None]]:
+    """The run of one rank over ``dataset``, and the category table of each obs column:
+    the one place its :class:`ChainSpec` and :class:`Run` are built, for every front end
+    (the :class:`~slafload.Loader`, its DataLoader face, the benchmark's stage profile).
+
+    ``sampler`` plans for ``config.batch_size``; the source adds what it needs (a mixture:
+    its own sampler over the sources', its per-source transform before ``transforms``, its
+    ``source`` and per-source ``cell_integer_id`` columns after ``obs_columns``).
+    """
+    codes = {name: dataset.obs_codes(name) for name in obs_columns}
+    obs = {name: column for name, (column, _) in codes.items()}
+    obs.update(dataset.cell_columns())
+    batch_size = config.batch_size
+    sampler = dataset.sampler(
+        bind_batch_size(sampler, batch_size),
+        lambda s: bind_batch_size(s, batch_size),
+        batch_size,
+        config.tuning.memory_budget,
+    )
+    first = () if dataset.transform is None else (dataset.transform,)
+    spec = ChainSpec(
+        dataset,
+        tokenizer,
+        config,
+        transforms=(*first, *transforms),
+        obs=obs,
+        pin_memory=pin_memory,
+    )
+    run = Run(spec, sampler, rank=rank, world_size=world_size)
+    return run, {name: categories for name, (_, categories) in codes.items()}
 
 
 class _Span:
@@ -355,7 +401,7 @@ def read_state(state: Mapping[str, Any], run: Run, *, replan: bool = False) -> P
     return Position(int(state[EPOCH]), 0, tuple(segments))
 
 
-def repin(dataset: SlafDataset | Mixture, versions: Mapping[str, Any]) -> SlafDataset | Mixture:
+def repin(dataset: CellSource, versions: Mapping[str, Any]) -> CellSource:
     """``dataset`` opened at the Lance ``versions`` a state recorded (itself if already so).
 
     Raises:

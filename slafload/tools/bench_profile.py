@@ -13,12 +13,13 @@ import numpy as np
 
 import slafload
 from slafload.config import Tuning
-from slafload.pipeline.chain import ChainSpec, build_chain
-from slafload.pipeline.epochs import Run
+from slafload.pipeline.chain import build_chain
+from slafload.pipeline.epochs import build_run
 from slafload.pipeline.stage import Stage
 from slafload.presets import make_preset
 from slafload.tokenizers import make_tokenizer
 from slafload.tools.bench_runs import PRESETS, preset_options
+from slafload.types import ChunkTransform
 
 
 class _Timed(Stage[Any]):
@@ -48,12 +49,14 @@ def profile_stages(ds, tokenizer_name: str, args, n_batches: int = 400) -> dict[
     config = slafload.LoaderConfig(
         batch_size=args.batch_size, max_genes=args.max_genes, tuning=Tuning(read_ahead=0)
     )
+    transforms: tuple[ChunkTransform, ...] = ()
     if tokenizer_name in PRESETS:  # a model's tokenizer and its transforms (gene mapping...)
         preset = make_preset(tokenizer_name, ds, **preset_options(ds, tokenizer_name))
-        spec = ChainSpec(ds, preset.tokenizer, config, transforms=tuple(preset.transforms))
+        tokenizer, transforms = preset.tokenizer, tuple(preset.transforms)
     else:
-        spec = ChainSpec(ds, make_tokenizer(tokenizer_name, max_genes=args.max_genes), config)
-    run = Run(spec, slafload.samplers.ChunkShuffle(chunk_cells=config.chunk_cells))
+        tokenizer = make_tokenizer(tokenizer_name, max_genes=args.max_genes)
+    sampler = slafload.samplers.ChunkShuffle(chunk_cells=config.chunk_cells)
+    run, _ = build_run(ds, tokenizer, config, sampler, transforms=transforms)
     timed: dict[str, _Timed] = {}
 
     def observe(name: str, stage: Stage[Any]) -> Stage[Any]:
@@ -61,7 +64,7 @@ def profile_stages(ds, tokenizer_name: str, args, n_batches: int = 400) -> dict[
         return timed[name]
 
     cells = 0
-    with closing(build_chain(spec, run.share(0).parts(), observe=observe)) as chain:
+    with closing(build_chain(run.spec, run.share(0).parts(), observe=observe)) as chain:
         for batch in itertools.islice(chain, n_batches):
             cells += len(batch["cell_integer_id"])
     names, inclusive = list(timed), [t.seconds for t in timed.values()]

@@ -21,6 +21,7 @@ from slafload.pipeline.epochs import Delivery, Position, Run
 from slafload.pipeline.partition import RankShare
 from slafload.samplers import BlockShuffle, ChunkShuffle, Streaming
 from slafload.tokenizers import Geneformer
+from slafload.transforms import LogNormalize
 from slafload.types import Chunk
 
 SAMPLERS = {
@@ -215,3 +216,42 @@ def test_batches_refuse_a_piece_that_crosses_an_epoch_or_comes_after_the_last():
         list(Batches(iter([rows(3), rows(3)]), 4, epochs=iter([5, 7])))
     with pytest.raises(LoaderError, match="2 rows arrived after the last planned epoch"):
         list(Batches(iter([rows(3), rows(2)]), 4, epochs=iter([3])))
+
+
+def test_one_factory_builds_a_datasets_run_from_the_loaders_settings_alone(tmp_path):
+    from conftest import random_counts, write_dense
+
+    from slafload.pipeline.epochs import build_run
+
+    plates = {"plate": [f"p{i % 2}" for i in range(30)]}
+    ds = open_dataset(write_dense(tmp_path / "a.slaf", random_counts(30, 12), obs=plates))
+    mine = LogNormalize()
+    sampler = BlockShuffle(block_size=4, fetch_factor=3)
+    run, categories = build_run(
+        ds, Geneformer(max_genes=8), LoaderConfig(batch_size=10), sampler,
+        transforms=[mine], obs_columns=["plate"], rank=1, world_size=2,
+    )  # fmt: skip
+    assert categories == {"plate": ["p0", "p1"]}
+    assert list(run.spec.obs) == ["plate"] and run.spec.transforms == (mine,)
+    assert run.sampler == dataclasses.replace(sampler, batch_size=10)  # planned for the batches
+    assert (run.rank, run.world_size) == (1, 2)
+
+
+def test_one_factory_adds_what_a_mixture_brings_after_the_loaders_own(tmp_path):
+    from conftest import random_counts, write_dense
+
+    from slafload import Mixture
+    from slafload.pipeline.epochs import build_run
+    from slafload.samplers.mixed import MixtureSampler
+
+    paths = [write_dense(tmp_path / f"{k}.slaf", random_counts(20, 12, seed=k)) for k in (1, 2)]
+    mix = Mixture(paths, vocabulary="union")
+    mine = LogNormalize()
+    run, categories = build_run(
+        mix, Geneformer(max_genes=8), LoaderConfig(batch_size=10), Streaming(chunk_cells=8),
+        transforms=[mine],
+    )  # fmt: skip
+    assert categories == {}
+    assert run.spec.transforms == (mix.transform, mine)  # the sources' own work first
+    assert set(run.spec.obs) == {"source", "cell_integer_id"}
+    assert isinstance(run.sampler, MixtureSampler)
