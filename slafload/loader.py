@@ -222,7 +222,7 @@ class Loader:
                 "the state is a DataLoader worker's (each worker counts its own cells); "
                 "load it into the dataset from loader.as_torch_dataset() instead"
             )
-        dataset = epochs.repin(self.dataset, state[epochs.DATASET][epochs.VERSIONS])
+        dataset = self.dataset.repin(state[epochs.DATASET][epochs.VERSIONS])
         previous = self.dataset, self._run, self.obs_categories
         self.dataset = dataset
         self._build_run()

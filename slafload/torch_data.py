@@ -175,7 +175,7 @@ class SlafIterableDataset(IterableDataset[LoaderBatch]):
             )
         current = self._open()
         versions = state[epochs.DATASET][epochs.VERSIONS]
-        ds = epochs.repin(current.spec.dataset, versions)
+        ds = current.spec.dataset.repin(versions)
         run = current if ds is current.spec.dataset else self._run_on(ds)
         position = epochs.read_state(state, run)
         s["versions"], self._run = dict(versions), run

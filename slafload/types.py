@@ -357,8 +357,8 @@ class CellSource(Protocol):
     the other.
 
     The chain reads through it (``reader``, ``cell_start``, ``row_bytes``), checkpoints record
-    it (``uri``, ``versions``), and the front ends ask it what a mixture adds instead of
-    asking whether it is one: a dataset answers with nothing (``source_names`` and
+    and restore it (``uri``, ``versions``, ``repin``), and the front ends ask it what a mixture
+    adds instead of asking whether it is one: a dataset answers with nothing (``source_names`` and
     ``transform`` are ``None``, ``cell_columns()`` is empty, ``sampler(default, ...)`` is
     ``default``, ``check_values`` accepts everything).
     """
@@ -422,3 +422,8 @@ class CellSource(Protocol):
 
     def check_values(self, tokenizer: Tokenizer, transforms: Sequence[ChunkTransform]) -> None:
         """Refuse values that ``tokenizer`` and ``transforms`` cannot take together."""
+
+    def repin(self, versions: Mapping[str, Any]) -> CellSource:
+        """This source at the Lance ``versions`` a checkpoint recorded (itself if it already
+        is; a mixture re-pins each source the checkpoint names).
+        """

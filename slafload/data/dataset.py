@@ -35,6 +35,7 @@ from slafload.errors import (
     MissingTableError,
     SchemaError,
     SlafloadError,
+    StateError,
 )
 
 if TYPE_CHECKING:
@@ -179,6 +180,24 @@ class SlafDataset:
 
     def check_values(self, tokenizer: Tokenizer, transforms: Sequence[ChunkTransform]) -> None:
         """Accept any values: one dataset holds one kind."""
+
+    def repin(self, versions: Mapping[str, Any]) -> SlafDataset:
+        """This dataset opened at the Lance ``versions`` a checkpoint recorded (itself if it
+        already is).
+
+        Raises:
+            StateError: those versions cannot be opened.
+        """
+        versions = dict(versions)
+        if versions == self.versions:
+            return self
+        logger.info("re-pinning %s to the checkpoint's versions %s", self.uri, versions)
+        try:
+            return open_dataset(self.uri, version=versions, storage_options=self.storage_options)
+        except Exception as exc:
+            raise StateError(
+                f"cannot reopen {self.uri!r} at the checkpoint's versions {versions}: {exc}"
+            ) from exc
 
     def __repr__(self) -> str:
         return (

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from slafload.config import LoaderConfig
-from slafload.data.dataset import open_dataset
 from slafload.errors import LoaderError, StateError
 from slafload.pipeline.chain import ChainSpec, build_chain
 from slafload.pipeline.partition import Part, RankShare, Segment, rank_share
@@ -360,7 +359,7 @@ def upgrade(state: Mapping[str, Any]) -> dict[str, Any]:
 def read_state(state: Mapping[str, Any], run: Run, *, replan: bool = False) -> Position:
     """The position ``state`` resumes ``run`` at (on this run's number of ranks).
 
-    ``run`` must already be pinned to the state's Lance versions (:func:`repin`). With
+    ``run`` must already be pinned to the state's Lance versions (``CellSource.repin``). With
     ``replan``, a state that orders cells differently (e.g. a mixture with a source added or a
     weight changed) is accepted: the run starts the next epoch not yet begun under its own
     plan, and the rest of a partly consumed epoch is left out.
@@ -399,24 +398,3 @@ def read_state(state: Mapping[str, Any], run: Run, *, replan: bool = False) -> P
         return Position(int(state[EPOCH]), last.cells, tuple(segments[:-1]))
     # elastic: the other ranks' share of the old run is arithmetic; start a new segment
     return Position(int(state[EPOCH]), 0, tuple(segments))
-
-
-def repin(dataset: CellSource, versions: Mapping[str, Any]) -> CellSource:
-    """``dataset`` opened at the Lance ``versions`` a state recorded (itself if already so).
-
-    Raises:
-        StateError: those versions cannot be opened.
-    """
-    versions = dict(versions)
-    if versions == dataset.versions:
-        return dataset
-    own = getattr(dataset, "repin", None)  # a mixture re-pins each of its sources
-    if own is not None:
-        return own(versions)
-    logger.info("re-pinning %s to the checkpoint's versions %s", dataset.uri, versions)
-    try:
-        return open_dataset(dataset.uri, version=versions, storage_options=dataset.storage_options)
-    except Exception as exc:
-        raise StateError(
-            f"cannot reopen {dataset.uri!r} at the checkpoint's versions {versions}: {exc}"
-        ) from exc
