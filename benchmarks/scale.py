@@ -12,9 +12,19 @@ opens the dataset, builds a :class:`slafload.Loader`, and reports
   more: on a 5M atlas a block sampler opens its thousands of data files over the first ~1M
   cells), over at least ``--fetches`` fetches' worth of cells and ``--min-cells`` cells, or
   ``--seconds`` seconds, whichever ends first;
-* ``peak_rss_mb``: ``ru_maxrss`` of the child.
+* ``peak_rss_mb``: ``ru_maxrss`` of the child;
+* ``file_format`` and ``read_path``: the Lance file format of the expression table's data
+  files, and whether its pages were read by slafload's direct page reader (``direct``) or
+  handed to Lance's ``take_scan``, with the reason the reader gave
+  (:class:`~slafload.errors.ReaderFallbackWarning`).
 
-The window is 300k cells by default (60k until round 18). 60k cells are under half a second
+``--caches warm,cold`` runs every contender twice per round: with the atlas read into the
+page cache just before the child starts, and with every file of it evicted from the page
+cache (``posix_fadvise(POSIX_FADV_DONTNEED)``, no root needed) just before. A cold run is what
+a user whose atlas does not fit in RAM gets on every read; its ``vs chunk`` column is over
+ChunkShuffle *warm*, so cold block sampling reads as a fraction of the best case.
+
+The window is 300k cells by default. 60k cells are under half a second
 of ChunkShuffle, and single runs of ``BlockShuffle(16, 256)`` on the 5M atlas gave 71-116k
 cells/s (0.45-0.73 of ChunkShuffle's median); over 300k cells, 94-107k (0.63-0.72). A run's
 RSS also keeps climbing after 60k cells on the 500k atlas (``BlockShuffle(1, 256)``: peaks
@@ -30,16 +40,19 @@ atlas's median peak RSS over the smallest's (``rss_growth``).
 Before the contenders, one short child (a fetch of ChunkShuffle on the last atlas, not
 reported) fills numba's on-disk cache, so no contender compiles a kernel: a process that
 compiles keeps ~85 MB more for its life (slafload/kernels.py), and the first contender after
-a checkout or an upgrade did so (round 21's two unexplained ~1.0 GB peaks of ``(1, 256)`` at
-5M; docs/sampling.md, round 22).
+a checkout or an upgrade would otherwise do so.
 
 The parent also times building an epoch's plan at 100M and 1B cells (index arithmetic only:
 ``sampler.plan``, rank sharding, the first fetch) with its ``tracemalloc`` peak.
 
-The atlases are the issue's: ``slafload.synthetic.write_atlas(n_cells, n_genes=20_000)``
-with Lance's default data-file size (~1M rows per file); written once if missing.
+The atlases are ``slafload.synthetic.write_atlas(n_cells, n_genes=20_000)`` with Lance's
+default data-file size (~1M rows per file), written once if missing; any SLAF dataset may be
+given instead (an atlas written another way, e.g. by ``slafload convert`` or
+``lance.write_dataset``, reports its own file format and read path).
 
     python benchmarks/scale.py --atlas /tmp/atlas5m.slaf --atlas /tmp/atlas500k.slaf
+    python benchmarks/scale.py --atlas /tmp/atlas5m.slaf --caches warm,cold --blocks 16,64 \
+        --factors 256
 """
 
 from __future__ import annotations
@@ -104,12 +117,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import slafload.loader  # torch imported before the clock starts
 
     settings = json.loads(args.settings)
+    fallbacks = _record_fallbacks()
     if settings.get("kernels", "auto") != "numpy":
         slafload.kernels.warm_up()  # numba's start-up, like an import (slafload/kernels.py)
     # The imports' debt to the cyclic GC, paid now as an import pays it: torch, numba, Polars
     # and pyarrow leave ~350k tracked objects, and the first full collection after them
     # (0.13-0.15 s holding the GIL, once per process) otherwise lands in whichever contender's
-    # first timed window allocates most (docs/sampling.md, round 15).
+    # first timed window allocates most.
     gc.collect()
     t0 = time.perf_counter()
     loader = make_loader(args.dataset, args, settings)
@@ -128,6 +142,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "spec": args.spec,
         "dataset": args.dataset,
+        "cache": args.cache,
+        "file_format": _file_format(args.dataset),
+        "read_path": _read_path(fallbacks),
         "first_batch_s": first,
         "cells_per_s": cells / elapsed,
         "cells_timed": cells,
@@ -137,13 +154,81 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _record_fallbacks() -> list[str]:
+    """Record every :class:`~slafload.errors.ReaderFallbackWarning` of this process (one per
+    dataset the direct page reader hands to Lance, saying why) in the list returned.
+    """
+    import warnings
+
+    from slafload.errors import ReaderFallbackWarning
+
+    seen: list[str] = []
+    show = warnings.showwarning
+
+    def record(message, category, *rest):  # type: ignore[no-untyped-def]
+        if issubclass(category, ReaderFallbackWarning):
+            seen.append(str(message))
+        else:
+            show(message, category, *rest)
+
+    warnings.simplefilter("always", ReaderFallbackWarning)
+    warnings.showwarning = record
+    return seen
+
+
+def _read_path(fallbacks: list[str]) -> str:
+    """Which path the expression pages took: slafload's direct page reader, or Lance's."""
+    if not fallbacks:
+        return "direct"
+    return "lance (take_scan): " + fallbacks[0][-300:]
+
+
+def _file_format(dataset: str) -> str:
+    """The Lance file format(s) of the expression table's data files."""
+    from slafload import open_dataset
+    from slafload.tools.optimize import file_format
+
+    return file_format(open_dataset(dataset).expression)
+
+
+def evict(dataset: str) -> int:
+    """Drop ``dataset``'s files from the page cache (``POSIX_FADV_DONTNEED``: clean pages only,
+    no root needed); the bytes of the files asked."""
+    total = 0
+    for path in Path(dataset).rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            total += path.stat().st_size
+    return total
+
+
+def load(dataset: str) -> int:
+    """Read every file of ``dataset`` once, so it sits in the page cache; the bytes read."""
+    total = 0
+    for path in Path(dataset).rglob("*"):
+        if path.is_file():
+            with path.open("rb", buffering=0) as f:
+                while chunk := f.read(8 << 20):
+                    total += len(chunk)
+    return total
+
+
 def run_child(dataset: str, spec: str, args: argparse.Namespace, settings: dict) -> dict:
+    if args.cache == "cold":
+        evict(dataset)
+    else:
+        load(dataset)
     cmd = [
         sys.executable, __file__, "--child", "--dataset", dataset, "--spec", spec,
         "--batch-size", str(args.batch_size), "--max-genes", str(args.max_genes),
         "--fetches", str(args.fetches), "--seconds", str(args.seconds),
         "--min-cells", str(args.min_cells), "--warm-cells", str(getattr(args, "warm_cells", 0)),
-        "--settings", json.dumps(settings),
+        "--settings", json.dumps(settings), "--cache", args.cache,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     try:
@@ -215,6 +300,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--seconds", type=float, default=30, help="...or this long, if shorter")
     p.add_argument("--repeat", type=int, default=1, help="runs per contender (medians)")
+    p.add_argument(
+        "--caches",
+        default="warm",
+        help='"warm", "cold" or "warm,cold": before each child, read the atlas into the page '
+        "cache, or evict it (posix_fadvise DONTNEED)",
+    )
+    p.add_argument("--cache", default="warm", help=argparse.SUPPRESS)
     p.add_argument("--child-timeout", type=float, default=240)
     p.add_argument(
         "--settings",
@@ -242,13 +334,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     settings = json.loads(args.settings)
     runs = []
-    jobs = [  # rounds of every contender, sizes interleaved per contender
-        (k, a, s) for k in range(args.repeat) for s in specs for a in atlases
+    caches = args.caches.split(",")
+    jobs = [  # rounds of every contender, sizes and caches interleaved per contender
+        (k, a, s, c) for k in range(args.repeat) for s in specs for a in atlases for c in caches
     ]
     warm = argparse.Namespace(**{**vars(args), "fetches": 1, "min_cells": 0, "warm_cells": 0})
     run_child(atlases[-1], "chunk", warm, settings)  # fills numba's cache; not reported
-    for k, atlas, spec in progress(jobs, desc="contenders"):
-        r = {**run_child(atlas, spec, args, settings), "round": k}
+    for k, atlas, spec, cache in progress(jobs, desc="contenders"):
+        each = argparse.Namespace(**{**vars(args), "cache": cache})
+        r = {**run_child(atlas, spec, each, settings), "round": k, "cache": cache}
         runs.append(r)
         if "error" in r:
             print(f"{spec} on {atlas}: {r['error'][-300:]}", file=sys.stderr)
@@ -260,9 +354,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {
         "settings": {k: v for k, v in vars(args).items() if k not in {"child", "dataset", "spec"}},
         "page_cache": (
-            "read by the first contender (each atlas fits in RAM); hosts that page out idle "
-            "file pages (DAMON reclaim) keep only part of it cached between runs, see "
-            "docs/sampling.md"
+            "warm: every file of the atlas read just before the child starts; cold: every file "
+            "evicted from the page cache (posix_fadvise DONTNEED) just before it starts"
         ),
         "machine": machine(),
         "runs": runs,
@@ -281,19 +374,23 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each contender's medians over its rounds, and each sampler's peak RSS growth from the
     smallest atlas to the largest (median over median).
     """
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str, str], list[dict]] = {}
     for r in runs:
         if "error" not in r:
-            groups.setdefault((r["dataset"], r["spec"]), []).append(r)
+            groups.setdefault((r["dataset"], r["spec"], r.get("cache", "warm")), []).append(r)
     medians = []
-    for (atlas, spec), rs in groups.items():
+    for (atlas, spec, cache), rs in groups.items():
         middle = {key: statistics.median(r[key] for r in rs) for key in KEYS}
-        medians.append({"dataset": atlas, "spec": spec, "rounds": len(rs), **middle})
+        paths = sorted({r.get("read_path", "?") for r in rs})
+        medians.append({"dataset": atlas, "spec": spec, "cache": cache, "rounds": len(rs),
+                        "file_format": rs[0].get("file_format"), "read_path": "; ".join(paths),
+                        **middle})  # fmt: skip
     sizes = {m["dataset"]: _cells(m["dataset"]) for m in medians}
     growth = {}
     if len(sizes) > 1:
         small, large = min(sizes, key=sizes.__getitem__), max(sizes, key=sizes.__getitem__)
-        peak = {(m["dataset"], m["spec"]): m["peak_rss_mb"] for m in medians}
+        peak = {(m["dataset"], m["spec"]): m["peak_rss_mb"] for m in medians
+                if m["cache"] == "warm"}  # fmt: skip
         growth = {
             spec: peak[(large, spec)] / peak[(small, spec)]
             for (atlas, spec) in peak
@@ -312,13 +409,22 @@ def _cells(path: str) -> int:
 
 
 def print_table(report: dict[str, Any]) -> None:
-    by_atlas: dict[str, list[dict]] = {}
+    by_atlas: dict[tuple[str, str], list[dict]] = {}
     for r in report.get("summary", {}).get("medians") or report["runs"]:
-        by_atlas.setdefault(r["dataset"], []).append(r)
-    for atlas, runs in by_atlas.items():
-        ok = {r["spec"]: r for r in runs if "error" not in r}
-        chunk = ok.get("chunk", {}).get("cells_per_s")
-        print(f"\n{atlas}")
+        by_atlas.setdefault((r["dataset"], r.get("cache", "warm")), []).append(r)
+    warm_chunk = {
+        atlas: r["cells_per_s"]
+        for (atlas, cache), runs in by_atlas.items()
+        for r in runs
+        if cache == "warm" and r["spec"] == "chunk" and "error" not in r
+    }
+    for (atlas, cache), runs in by_atlas.items():
+        chunk = warm_chunk.get(atlas)
+        ok = [r for r in runs if "error" not in r]
+        fmt = ok[0].get("file_format", "?") if ok else "?"
+        path = ok[0].get("read_path", "?") if ok else "?"
+        print(f"\n{atlas}, {cache} page cache: Lance {fmt} data files, read path: {path}")
+        print("(vs chunk: over ChunkShuffle with a warm page cache)")
         print(
             f"{'sampler':<12}{'cells/s':>10}{'vs chunk':>10}{'first batch s':>15}{'peak RSS MB':>13}"
         )
@@ -347,16 +453,17 @@ def plot(report: dict[str, Any], path: Path) -> None:
     except ImportError:
         return
     runs = report.get("summary", {}).get("medians") or report["runs"]
-    atlases = sorted({r["dataset"] for r in runs})
+    atlases = sorted({(r["dataset"], r.get("cache", "warm")) for r in runs})
     specs = list(dict.fromkeys(r["spec"] for r in runs))
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.5), sharey=True)
     width = 0.8 / max(len(atlases), 1)
-    for k, atlas in enumerate(atlases):
-        got = {r["spec"]: r for r in runs if r["dataset"] == atlas and "error" not in r}
+    for k, (atlas, cache) in enumerate(atlases):
+        got = {r["spec"]: r for r in runs
+               if (r["dataset"], r.get("cache", "warm")) == (atlas, cache) and "error" not in r}  # fmt: skip
         ys = [i + k * width for i in range(len(specs))]
         for ax, key in zip(axes, KEYS, strict=True):
             ax.barh(ys, [got.get(s, {}).get(key, 0) for s in specs], height=width,
-                    label=Path(atlas).name)  # fmt: skip
+                    label=f"{Path(atlas).name} ({cache})")  # fmt: skip
     axes[0].set_yticks([i + width * (len(atlases) - 1) / 2 for i in range(len(specs))], specs)
     axes[0].set_xlabel("cells/s (steady)")
     axes[1].set_xlabel("first batch (s)")
