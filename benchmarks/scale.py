@@ -139,6 +139,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         cells += len(next(it)["input_ids"])
     elapsed = time.perf_counter() - start
     loader.close()
+    peak_mb = (
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )  # before _file_format reopens it
     return {
         "spec": args.spec,
         "dataset": args.dataset,
@@ -149,7 +152,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "cells_per_s": cells / elapsed,
         "cells_timed": cells,
         "seconds_timed": elapsed,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_mb,
         "settings": settings,
     }
 
