@@ -28,7 +28,7 @@ from slafload.errors import LayoutError, MixtureError, StateError
 from slafload.pipeline import epochs
 from slafload.pipeline.epochs import Delivery, Position
 from slafload.pipeline.prefetcher import Prefetcher
-from slafload.presets import PRESET_NAMES, Preset, make_preset
+from slafload.presets import PRESET_NAMES, Preset, make_preset, mixture_preset
 from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
 from slafload.tokenizers import make_tokenizer
 from slafload.torch_data import SlafIterableDataset
@@ -53,7 +53,8 @@ class Loader:
             or a published model's preset (:mod:`slafload.presets`): a :class:`Preset`, or
             ``"geneformer-v2"``, ``"geneformer-v1"``, ``"scgpt-reference"`` built from
             ``tokenizer_options`` (its dictionary files; ``seed`` defaults to the loader's).
-            A preset's transforms run before ``transforms``.
+            A preset's transforms run before ``transforms``. A mixture takes a preset by
+            name: it is built for every source (:func:`~slafload.presets.mixture_preset`).
         tokenizer_options: Extra keyword arguments for a named tokenizer (e.g. ``n_bins``).
         sampler: Plan of cells per epoch; defaults to :class:`ChunkShuffle` or
             :class:`Streaming` according to ``shuffle``.
@@ -101,17 +102,20 @@ class Loader:
         self.dataset: CellSource = open_source(dataset, weights=weights, vocabulary=vocabulary)
         mixture = isinstance(self.dataset, Mixture)
         named_preset = isinstance(tokenizer, str) and tokenizer in PRESET_NAMES
-        if mixture and (isinstance(tokenizer, Preset) or named_preset):
+        if mixture and isinstance(tokenizer, Preset):
             raise MixtureError(
-                "a model preset builds its token dictionary from one dataset; for a mixture "
-                "give a tokenizer (e.g. 'geneformer') and the shared vocabulary, or load each "
-                "dataset with the preset on its own"
+                f"the preset {tokenizer.name!r} was built for one dataset; for a mixture pass "
+                "its name (e.g. tokenizer='geneformer-v2') with tokenizer_options, and the "
+                "loader builds it for every source"
             )
         if named_preset:
             preset_options = {"seed": self.config.seed, **(tokenizer_options or {})}
-            tokenizer = make_preset(
-                cast(str, tokenizer), cast(SlafDataset, self.dataset), **preset_options
-            )
+            if isinstance(self.dataset, Mixture):  # the preset built for each source
+                self.dataset, tokenizer = mixture_preset(
+                    cast(str, tokenizer), self.dataset, **preset_options
+                )
+            else:
+                tokenizer = make_preset(cast(str, tokenizer), self.dataset, **preset_options)
             tokenizer_options = None
         if isinstance(tokenizer, Preset):  # a model's own tokenizer and its chunk transforms
             self.preset: Preset | None = tokenizer

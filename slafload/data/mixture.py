@@ -11,7 +11,10 @@ schedule, so every batch draws from the sources in proportion to the weights
 ranks, positions and resume are those of a single dataset. Per-source work happens in
 the chunk transforms (:class:`PerSource`): each source's value handling, then its
 :class:`~slafload.transforms.vocab.GeneRemap` into the shared vocabulary; the tokens that come
-out are vocabulary tokens.
+out are vocabulary tokens. With a published model's preset (:func:`slafload.presets.mixture_preset`) the
+preset is built for each source instead: each source's cells go through its own preset's
+transforms and tokenizer (:class:`~slafload.data.sources.PerSourceTokens`), and the tokens are
+the model's.
 
 Every batch of a mixture carries ``source`` (``int64`` source index per cell; names in
 ``loader.source_names``) and ``cell_integer_id`` as the cell's id *within its source*. An obs
@@ -27,11 +30,13 @@ encoding and ``scgpt``'s per-cell quantile bins, with no loader-level chunk tran
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import PurePosixPath
 from typing import Any, cast
 
@@ -43,6 +48,7 @@ from slafload.data.sources import CellColumn, GlobalOffsets, MixedReader, PerSou
 from slafload.errors import MixtureError, SchemaError, StateError, VocabularyError
 from slafload.pipeline import budget
 from slafload.pipeline.reader import COLUMNS, ReadOptions
+from slafload.presets.base import Preset
 from slafload.samplers.mixed import MixtureSampler
 from slafload.transforms.lognorm import LogNormalize
 from slafload.transforms.vocab import UNKNOWN_RULES, Vocabulary, _gene_names
@@ -67,8 +73,9 @@ class Source:
         name: Name in batches' ``source_names`` and checkpoints; default: the directory name
             without ``.slaf``.
         sampler: This source's sampler; default: the loader's.
-        transforms: Chunk transforms for this source only, in its own gene ids, run before
-            the remap into the vocabulary (e.g. a value normalisation).
+        transforms: Chunk transforms for this source only, in its own gene and cell ids,
+            run before the remap into the vocabulary or the preset's own transforms (e.g. a
+            value normalisation).
     """
 
     dataset: DatasetLike
@@ -87,7 +94,9 @@ class Mixture:
             the sources' sizes.
         vocabulary: The shared gene vocabulary; ``"union"`` builds it from the sources' gene
             names (the first source's genes first); ``None`` requires every source to have the
-            same genes in the same order.
+            same genes in the same order (checked when a loader first needs the vocabulary;
+            a model preset, :meth:`with_presets`, maps the genes into its own dictionary
+            instead).
         unknown: What to do with a source's genes absent from the vocabulary (``"drop"``,
             ``"unk"``, ``"error"``; see :mod:`slafload.transforms.vocab`).
         gene_column: The genes.lance column naming genes.
@@ -156,18 +165,52 @@ class Mixture:
             "target_sum": target_sum,
         }
         self._check_sources()
-        self.vocabulary = self._vocabulary(vocabulary, gene_column)
-        remaps = self._remaps(unknown, gene_column)
         self.unknown, self.epoch_cells, self.values = unknown, epoch_cells, values
         self.mix = mix
-        self.transform = PerSource(
-            self.offsets,
-            tuple(
+        self.presets: tuple[Preset, ...] = ()
+        self.cell_start = GlobalOffsets(self.offsets, [ds.cell_start for ds in self.datasets])
+
+    @cached_property
+    def vocabulary(self) -> Vocabulary:
+        """The shared gene vocabulary (see ``vocabulary=``).
+
+        Raises:
+            VocabularyError: ``vocabulary=None`` and the sources' genes differ.
+        """
+        return self._vocabulary(self._options["vocabulary"], self._options["gene_column"])
+
+    @cached_property
+    def transform(self) -> PerSource:
+        """The chunk transform of every source: its value handling, its own transforms, then
+        its remap into :attr:`vocabulary` (with presets: its own transforms, then its
+        preset's, see :meth:`with_presets`).
+
+        Raises:
+            VocabularyError: ``vocabulary=None`` and the sources' genes differ.
+        """
+        if self.presets:
+            steps = [
+                (*s.transforms, *p.transforms)
+                for s, p in zip(self.sources, self.presets, strict=True)
+            ]
+        else:
+            remaps = self._remaps(self.unknown, self._options["gene_column"])
+            target_sum = self._options["target_sum"]
+            steps = [
                 (*self._value_transforms(ds, target_sum), *s.transforms, *remap)
                 for s, ds, remap in zip(self.sources, self.datasets, remaps, strict=True)
-            ),
-        )
-        self.cell_start = GlobalOffsets(self.offsets, [ds.cell_start for ds in self.datasets])
+            ]
+        return PerSource(self.offsets, tuple(steps))
+
+    def with_presets(self, presets: Sequence[Preset]) -> Mixture:
+        """This mixture with ``presets[k]`` (a preset built for source ``k``) replacing source
+        ``k``'s vocabulary remap and value handling (see
+        :func:`slafload.presets.mixture_preset`); the source's own transforms run first.
+        """
+        mixed = copy.copy(self)
+        mixed.__dict__.pop("transform", None)
+        mixed.presets = tuple(presets)
+        return mixed
 
     # -- what the chain asks of a dataset ----------------------------------------------------
 
@@ -333,7 +376,7 @@ class Mixture:
             sources.append(dataclasses.replace(s, dataset=ds))
         if not changed:
             return self
-        return Mixture(sources, **self._options)
+        return Mixture(sources, **self._options).with_presets(self.presets)
 
     def check_values(self, tokenizer: Any, transforms: Sequence[ChunkTransform]) -> None:
         """Refuse mixing integer and float values where the tokens would depend on it.
@@ -343,7 +386,7 @@ class Mixture:
                 or a chunk transform depends on the scale of the values.
         """
         kinds = {s.name: _value_kind(ds) for s, ds in zip(self.sources, self.datasets, strict=True)}
-        if len(set(kinds.values())) < 2 or self.values != "check":
+        if len(set(kinds.values())) < 2 or self.values != "check" or self.presets:
             return
         from slafload.tokenizers.builtin import Geneformer, ScGPT
 
@@ -409,7 +452,15 @@ class Mixture:
 
     def __repr__(self) -> str:
         mode = "one_pass" if self.epoch_cells is None else f"epoch_cells={self.epoch_cells}"
-        return f"Mixture({self.uri}, n_cells={self.n_cells:,}, vocabulary={len(self.vocabulary)} genes, {mode}, mix={self.mix})"
+        vocab = self._options["vocabulary"]
+        genes = (
+            f"preset={self.presets[0].name!r}"
+            if self.presets
+            else f"vocabulary={len(vocab)} genes"
+            if isinstance(vocab, Vocabulary)
+            else f"vocabulary={vocab!r}"
+        )
+        return f"Mixture({self.uri}, n_cells={self.n_cells:,}, {genes}, {mode}, mix={self.mix})"
 
 
 def _default_name(uri: str) -> str:

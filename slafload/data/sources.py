@@ -5,7 +5,9 @@ A :class:`~slafload.data.mixture.Mixture` numbers its sources' cells one after t
 global ids and each source's own: :class:`MixedReader` reads a fetch from its sources,
 :class:`GlobalOffsets` gives the chunk stage CSR offsets by global id, :class:`CellColumn`
 gives the tokenize stage per-cell columns (source codes, ids within a source, obs codes), and
-:class:`PerSource` runs each chunk through its own source's transforms.
+:class:`PerSource` runs each chunk through its own source's transforms and
+:class:`PerSourceTokens` each ranked piece through its own source's tokenizer (a model
+preset built for each source).
 """
 
 from __future__ import annotations
@@ -14,17 +16,20 @@ import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from slafload.data.dataset import SlafDataset
+from slafload.errors import MixtureError
 from slafload.pipeline import budget
-from slafload.pipeline.buffers import BytePool
+from slafload.pipeline.buffers import BytePool, gather_runs
 from slafload.pipeline.reader import ReadOptions, started
-from slafload.types import Chunk, ChunkTransform, Fetch, Offsets
+from slafload.types import Chunk, ChunkTransform, Fetch, Offsets, RankedChunk, Tokenizer
+
+C = TypeVar("C", bound=Chunk)
 
 
 def source_of(offsets: np.ndarray, cells: np.ndarray) -> np.ndarray:
@@ -229,19 +234,36 @@ class PerSource:
         return dataclasses.replace(budget.concat(chunk.fetch_index, runs), order=chunk.order)
 
     def _through(self, k: int, chunk: Chunk) -> Chunk:
+        """``chunk`` (cells of source ``k``) through ``k``'s transforms, which see the cells'
+        ids within the source (a preset looks up per-cell obs values by them).
+        """
+        if not self.transforms[k]:
+            return chunk
+        offset = int(self.offsets[k])
+        chunk = _shifted(chunk, -offset)
         for transform in self.transforms[k]:
             chunk = transform(chunk)
-        return chunk
+        return _shifted(chunk, offset)
 
     def for_epoch(self, epoch: int) -> PerSource:
         """Epoch-aware transforms of every source bound to ``epoch`` (itself if none is)."""
         if not any(hasattr(t, "for_epoch") for ts in self.transforms for t in ts):
             return self
-        bound = tuple(
-            tuple(t.for_epoch(epoch) if hasattr(t, "for_epoch") else t for t in ts)
-            for ts in self.transforms
+        return dataclasses.replace(
+            self, transforms=tuple(_bound(ts, epoch) for ts in self.transforms)
         )
-        return dataclasses.replace(self, transforms=bound)
+
+
+def _bound(stages: tuple[Any, ...], epoch: int) -> tuple[Any, ...]:
+    """``stages`` with each epoch-aware one (a ``for_epoch`` method) bound to ``epoch``."""
+    return tuple(t.for_epoch(epoch) if hasattr(t, "for_epoch") else t for t in stages)
+
+
+def _shifted(chunk: C, offset: int) -> C:
+    """``chunk`` with ``offset`` added to its cell ids."""
+    if not offset:
+        return chunk
+    return dataclasses.replace(chunk, cell_ids=chunk.cell_ids + offset)
 
 
 def _cells(chunk: Chunk, lo: int, hi: int) -> Chunk:
@@ -254,4 +276,66 @@ def _cells(chunk: Chunk, lo: int, hi: int) -> Chunk:
         chunk.genes[a:b],
         chunk.values[a:b],
         np.arange(hi - lo, dtype=np.int64),
+    )
+
+
+@dataclass(eq=False)  # not frozen: a Tokenizer's name is a plain attribute
+class PerSourceTokens:
+    """Tokenizer: each source's cells of a ranked piece through that source's tokenizer.
+
+    A model preset is built for each source (its gene map, obs columns and random draws are
+    the source's own), and a piece interleaves the sources cell by cell; so each source's
+    cells are tokenized as a ranked chunk of their own, with their ids within the source,
+    and their rows written back to their output rows. Every source's tokenizer returns the
+    same keys, dtypes and widths (the same preset built for each source does).
+    """
+
+    offsets: np.ndarray
+    tokenizers: tuple[Tokenizer, ...]
+    name: str
+
+    def __call__(self, ranked: RankedChunk) -> dict[str, np.ndarray]:
+        """Row-aligned arrays of every cell, each from its own source's tokenizer."""
+        src = np.minimum(source_of(self.offsets, ranked.cell_ids), len(self.tokenizers) - 1)
+        present = np.unique(src).tolist()
+        if len(present) < 2:
+            k = present[0] if present else 0
+            return self.tokenizers[k](_shifted(ranked, -int(self.offsets[k])))
+        out: dict[str, np.ndarray] = {}
+        for k in present:
+            cells = np.flatnonzero(src == k)
+            rows = ranked.row_of_cell[cells]
+            arrays = self.tokenizers[k](_ranked_cells(ranked, cells, rows, -int(self.offsets[k])))
+            if out and set(arrays) != set(out):
+                raise MixtureError(
+                    f"source {k}'s tokenizer returns {sorted(arrays)} but another source's "
+                    f"returns {sorted(out)}; build every source's tokenizer from one preset"
+                )
+            for key, array in arrays.items():
+                if key not in out:
+                    out[key] = np.empty((ranked.n_cells, *array.shape[1:]), array.dtype)
+                out[key][np.sort(rows)] = array
+        return out
+
+    def for_epoch(self, epoch: int) -> PerSourceTokens:
+        """Epoch-aware tokenizers of every source bound to ``epoch`` (itself if none is)."""
+        if not any(hasattr(t, "for_epoch") for t in self.tokenizers):
+            return self
+        return dataclasses.replace(self, tokenizers=_bound(self.tokenizers, epoch))
+
+
+def _ranked_cells(
+    ranked: RankedChunk, cells: np.ndarray, rows: np.ndarray, offset: int
+) -> RankedChunk:
+    """Read-order cells ``cells`` of ``ranked`` (output rows ``rows``) as a ranked chunk whose
+    output rows follow theirs, ``offset`` added to their ids.
+    """
+    indptr, (genes, values) = gather_runs(ranked.indptr, [ranked.genes, ranked.values], cells)
+    return RankedChunk(
+        ranked.fetch_index,
+        ranked.cell_ids[cells] + offset,
+        indptr,
+        genes,
+        values,
+        np.argsort(rows, kind="stable"),
     )

@@ -13,7 +13,9 @@ report of how much of the dataset the model's vocabulary sees::
 
 Builders: :func:`~slafload.presets.geneformer.geneformer_v2`,
 :func:`~slafload.presets.geneformer.geneformer_v1`, :func:`~slafload.presets.scgpt.scgpt`
-(names ``"geneformer-v2"``, ``"geneformer-v1"``, ``"scgpt-reference"``). See
+(names ``"geneformer-v2"``, ``"geneformer-v1"``, ``"scgpt-reference"``); a
+:class:`~slafload.data.mixture.Mixture` gets the preset built for each of its sources
+(:func:`mixture_preset`, what ``Loader(mixture, tokenizer=name)`` does). See
 ``docs/fine-tuning.md`` for what is identical to the reference implementations and what is not.
 
 Randomness (scGPT's tie spreading and subsampling) never uses a global or sequential RNG: each
@@ -26,9 +28,10 @@ the pipeline (``Pipeline.for_epoch``) binds them at the start of every epoch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slafload.data.dataset import SlafDataset
+from slafload.errors import MixtureError
 from slafload.presets.base import (
     DEFAULT_SAMPLE_CELLS,
     DEFAULT_WARN_BELOW,
@@ -37,8 +40,12 @@ from slafload.presets.base import (
     gene_names,
     load_dictionary,
     measure_coverage,
+    mixed_preset,
     uniforms,
 )
+
+if TYPE_CHECKING:
+    from slafload.data.mixture import Mixture
 
 PRESET_NAMES = ("geneformer-v2", "geneformer-v1", "scgpt-reference")
 
@@ -64,6 +71,30 @@ def make_preset(name: str, dataset: SlafDataset, *, seed: int = 0, **options: An
     raise ValueError(f"unknown preset {name!r}; available: {list(PRESET_NAMES)}")
 
 
+def mixture_preset(
+    name: str, mixture: Mixture, *, seed: int = 0, **options: Any
+) -> tuple[Mixture, Preset]:
+    """``mixture`` tokenized by the preset ``name`` built for every source, and that preset.
+
+    Each source's genes map into the model's own dictionary and its normalisation uses the
+    source's own obs columns (Geneformer's ``n_counts``), so a cell's tokens are those the
+    preset gives it when its source is loaded alone. The mixture's vocabulary, ``values=``
+    handling and remaps are not used; each source's own ``transforms`` run before its
+    preset's. The returned preset's tokenizer runs each source's cells through that source's
+    preset; its ``sources`` holds the preset of each source (their coverage).
+
+    Raises:
+        MixtureError: the mixture has ``values="log1p"`` (the preset normalises every source).
+    """
+    if mixture.values == "log1p":
+        raise MixtureError(
+            f"preset {name!r} normalises each source's counts itself; values='log1p' would "
+            "normalise them twice: build the Mixture with values='check' (the default)"
+        )
+    presets = [make_preset(name, ds, seed=seed, **options) for ds in mixture.datasets]
+    return mixture.with_presets(presets), mixed_preset(name, mixture.offsets, presets)
+
+
 __all__: Sequence[str] = [
     "DEFAULT_SAMPLE_CELLS",
     "DEFAULT_WARN_BELOW",
@@ -74,5 +105,6 @@ __all__: Sequence[str] = [
     "load_dictionary",
     "make_preset",
     "measure_coverage",
+    "mixture_preset",
     "uniforms",
 ]

@@ -5,7 +5,7 @@ hashed draws (:func:`uniforms`) and dictionary loading (see :mod:`slafload.prese
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,13 +65,45 @@ class Preset:
     """A tokenizer and the chunk transforms that must run before ranking, plus coverage.
 
     Pass it as ``Loader(ds, tokenizer=preset)``: the loader runs ``transforms`` first, then
-    any ``transforms=`` given to it.
+    any ``transforms=`` given to it. A mixture's preset (:func:`mixed_preset`) holds the
+    preset of each source in ``sources``.
     """
 
     name: str
     tokenizer: Tokenizer
     transforms: tuple[Callable[..., Any], ...]
     coverage: Coverage
+    sources: tuple[Preset, ...] = ()
+
+
+def mixed_preset(name: str, offsets: np.ndarray, presets: Sequence[Preset]) -> Preset:
+    """The preset of a mixture from the presets built for its sources (global cell ids
+    ``[offsets[k], offsets[k + 1])`` are source ``k``'s).
+
+    Its tokenizer tokenizes each source's cells with that source's preset
+    (:class:`~slafload.data.sources.PerSourceTokens`); its transforms are empty (the
+    mixture runs each source's, :meth:`~slafload.data.mixture.Mixture.with_presets`); its
+    coverage sums the sources' genes and weighs their mass fractions by cells sampled;
+    ``sources`` holds the presets.
+    """
+    from slafload.data.sources import PerSourceTokens
+
+    reports = [p.coverage for p in presets]
+    sampled = np.array([r.cells_sampled for r in reports], dtype=np.float64)
+    mass = np.array([r.mass_fraction for r in reports])
+    known = ~np.isnan(mass) & (sampled > 0)
+    coverage = Coverage(
+        n_genes=sum(r.n_genes for r in reports),
+        n_covered=sum(r.n_covered for r in reports),
+        mass_fraction=float(np.average(mass[known], weights=sampled[known]))
+        if known.any()
+        else float("nan"),
+        cells_sampled=int(sampled.sum()),
+        column=reports[0].column,
+        model=reports[0].model,
+    )
+    tokenizer = PerSourceTokens(offsets, tuple(p.tokenizer for p in presets), name)
+    return Preset(name, tokenizer, (), coverage, tuple(presets))
 
 
 def measure_coverage(

@@ -256,7 +256,7 @@ def test_log_normalize_keeps_each_cells_gene_order():
 
 def test_mixture_settings_are_validated_up_front(atlases):
     with pytest.raises(VocabularyError, match="vocabulary="):
-        Mixture(list(atlases))
+        Loader(list(atlases))  # other genes, no vocabulary (a preset would map them)
     with pytest.raises(MixtureError, match="one weight per source"):
         Mixture(list(atlases), weights=[1], vocabulary="union")
     with pytest.raises(MixtureError, match="weight must be positive"):
@@ -265,8 +265,8 @@ def test_mixture_settings_are_validated_up_front(atlases):
         Mixture([atlases[0], atlases[0]])
     with pytest.raises(TypeError, match="several datasets"):
         Loader(atlases[0], weights=[1])
-    with pytest.raises(MixtureError, match="preset"):
-        Loader(list(atlases), vocabulary="union", tokenizer="geneformer-v2")
+    with pytest.raises(TypeError, match="token_dictionary"):
+        Loader(list(atlases), tokenizer="geneformer-v2")  # built for each source
 
 
 def test_each_source_keeps_its_own_sampler(atlases):
