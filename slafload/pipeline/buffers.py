@@ -203,17 +203,30 @@ def _repad(
 
 
 def gather_runs(
-    indptr: np.ndarray, arrays: Sequence[np.ndarray], rows: np.ndarray
-) -> tuple[np.ndarray, list[np.ndarray]]:
+    indptr: np.ndarray, arrays: Sequence[np.ndarray], rows: np.ndarray,
+    kernels: Kernels = NUMPY,
+) -> tuple[np.ndarray, list[np.ndarray]]:  # fmt: skip
     """Runs ``rows`` of CSR ``arrays`` (run ``r`` is ``a[indptr[r]:indptr[r + 1]]``), back to
     back: ``(offsets int64[len(rows) + 1], [gathered array per array])``.
 
-    One Polars gather of list columns (zero-copy views of ``arrays``): a memcpy per run in
-    native code, with the GIL released. A Python loop of slice copies costs ~7x more per cell
-    and holds the GIL between its copies, which starves the read threads of a block-sampled
-    fetch (docs/sampling.md, "The GIL and the read threads"). The outputs are read-only views
-    of Arrow buffers.
+    Two arrays with compiled ``kernels`` (ready for their types): one kernel call copies
+    every run into new arrays, the GIL released (~0.2 ms for 4,096 cells of 200 rows, against
+    1.5-5 ms for the gather below on two busy cores). Otherwise one Polars gather of list
+    columns (zero-copy views of ``arrays``): a memcpy per run in native code, with the GIL
+    released; its outputs are read-only views of Arrow buffers. A Python loop of slice copies
+    costs ~7x more per cell and holds the GIL between its copies, which starves the read
+    threads of a block-sampled fetch (docs/sampling.md, "The GIL and the read threads").
     """
+    rows = np.asarray(rows, dtype=np.int64)
+    if kernels.backend != "numpy" and len(arrays) == 2 and len(rows):
+        indptr = np.asarray(indptr, dtype=np.int64)
+        lengths = indptr[rows + 1] - indptr[rows]
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        (a, b), n = arrays, int(offsets[-1])
+        out = [np.empty(n, dtype=a.dtype), np.empty(n, dtype=b.dtype)]
+        if kernels.run("copy_runs_2", out[0], a, out[1], b, offsets[:-1], indptr[rows], lengths):
+            return offsets, out
     offsets = pa.array(np.asarray(indptr, dtype=np.int64))
     frame = pl.DataFrame(
         [

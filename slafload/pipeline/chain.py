@@ -149,7 +149,7 @@ def build_chain(
     s = observe("assemble", Assemble(s, ds, checked))
     s = observe("shuffle", Shuffle(s))
     s = observe("transform", Transform(s, spec.transforms))
-    s = observe("split", Split(s, tuning.piece_cells))
+    s = observe("split", Split(s, tuning.piece_cells, spec.kernels))
     s = observe("rank", RankGenes(s, start=spec.tokens.start, lookahead=1))
     s = observe("tokenize", Tokenize(s, spec.tokens, spec.obs))
     s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last, epochs=epochs))

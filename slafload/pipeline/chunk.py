@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from slafload._lance import integrity
 from slafload.errors import InconsistentDataError
+from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline import budget
 from slafload.pipeline.buffers import gather_runs, scratch
 from slafload.pipeline.partition import Part
@@ -138,18 +139,23 @@ def shuffle(chunk: Chunk, seed: int | None) -> Chunk:
     return dataclasses.replace(chunk, order=shuffle_order(chunk.n_cells, seed))
 
 
-def split(chunk: Chunk, start: int, stop: int, size: int) -> Iterator[Chunk]:
+def split(
+    chunk: Chunk, start: int, stop: int, size: int, kernels: Kernels = NUMPY
+) -> Iterator[Chunk]:
     """Output rows ``[start, stop)`` of ``chunk`` as pieces of at most ``size`` cells.
 
     Each piece holds its cells in output order (its own ``order`` is the identity), so the
-    concatenated outputs of the pieces equal rows ``[start, stop)`` of the whole chunk.
+    concatenated outputs of the pieces equal rows ``[start, stop)`` of the whole chunk; their
+    rows are gathered with ``kernels`` where compiled (:func:`gather_runs`).
     """
     if start == 0 and stop >= chunk.n_cells and chunk.n_cells <= size:
         yield chunk
         return
     for first in range(start, stop, size):
         cells = chunk.order[first : min(first + size, stop)]
-        indptr, (genes, values) = gather_runs(chunk.indptr, [chunk.genes, chunk.values], cells)
+        indptr, (genes, values) = gather_runs(
+            chunk.indptr, [chunk.genes, chunk.values], cells, kernels
+        )
         yield Chunk(chunk.fetch_index, chunk.cell_ids[cells], indptr, genes, values,
                     np.arange(len(cells), dtype=np.int64))  # fmt: skip
 
@@ -335,9 +341,11 @@ class Split(Stage[Chunk]):
     which keeps the token arrays small however large a sampler's fetches are.
     """
 
-    def __init__(self, source: Iterator[tuple[Part, Chunk]], piece_cells: int):
+    def __init__(
+        self, source: Iterator[tuple[Part, Chunk]], piece_cells: int, kernels: Kernels = NUMPY
+    ):
         super().__init__(source)
-        self.piece_cells = piece_cells
+        self.piece_cells, self.kernels = piece_cells, kernels
         self._pieces: Iterator[Chunk] = iter(())
 
     def __next__(self) -> Chunk:
@@ -346,4 +354,4 @@ class Split(Stage[Chunk]):
             if piece is not None:
                 return piece
             part, chunk = next(self.source)
-            self._pieces = split(chunk, part.skip, part.keep, self.piece_cells)
+            self._pieces = split(chunk, part.skip, part.keep, self.piece_cells, self.kernels)

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 import slafload
+from slafload.kernels import Kernels, numba_available
 from slafload.pipeline.buffers import RowBuffers, copy_aligned_runs, fresh, gather_runs
+
+BACKENDS = ["numpy"] + (["numba"] if numba_available() else [])
 
 
 def _address(array: np.ndarray) -> int:
@@ -89,21 +92,29 @@ def test_copy_aligned_runs_copies_each_run_with_casting():
     np.testing.assert_array_equal(dst, [1, 2, 3, 0, 0, 0, 4, 5, 0, 0])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "dtypes", [(np.uint16, np.float32), (np.int32, np.uint16), (np.int64, np.float64)]
 )
-def test_gather_runs_equals_a_loop_of_slices_with_empty_and_repeated_runs(dtypes):
+def test_gather_runs_equals_a_loop_of_slices_with_empty_and_repeated_runs(dtypes, backend):
     rng = np.random.default_rng(0)
     lengths = rng.integers(0, 9, 50)
     lengths[[0, 7, 49]] = 0  # empty runs, at the ends too
     indptr = np.concatenate([[0], np.cumsum(lengths)])
     arrays = [rng.integers(0, 1000, int(indptr[-1])).astype(t) for t in dtypes]
+    for array in arrays:  # as Arrow's zero-copy views are
+        array.flags.writeable = False
     rows = np.concatenate([rng.permutation(50), [3, 3, 0, 49]])  # any order, repeats
-    offsets, got = gather_runs(indptr, arrays, rows)
+    kernels = Kernels(backend)  # "numba" compiles before it runs: the kernel path is taken
+    try:
+        offsets, got = gather_runs(indptr, arrays, rows, kernels)
+    finally:
+        kernels.close()
     np.testing.assert_array_equal(offsets, np.concatenate([[0], np.cumsum(lengths[rows])]))
     assert offsets.dtype == np.int64
     for array, out in zip(arrays, got, strict=True):
         assert out.dtype == array.dtype
+        assert out.flags.writeable == (backend == "numba")  # the kernel's own arrays
         want = np.concatenate([array[indptr[r] : indptr[r + 1]] for r in rows])
         np.testing.assert_array_equal(out, want)
     empty_offsets, empty = gather_runs(indptr, arrays, np.array([], dtype=np.int64))
