@@ -241,15 +241,12 @@ class Loader:
     def as_torch_dataset(self) -> SlafIterableDataset:
         """This loader as a ``torch.utils.data.IterableDataset`` (see :mod:`slafload.torch_data`).
 
+        A mixture's worker copies reopen each source at its pinned versions.
+
         Raises:
             LayoutError: the loader tokenizes on the device (``tokenize_on="device"``), which
                 only the training process can do; DataLoader workers are other processes.
         """
-        if isinstance(self.dataset, Mixture):
-            raise MixtureError(
-                "as_torch_dataset() reopens one dataset in each DataLoader worker and does not "
-                "support mixtures yet; iterate the Loader itself"
-            )
         if self.config.tokenize_on == "device":
             raise LayoutError(
                 "tokenize_on='device' tokenizes on the training thread's device, which "
@@ -268,6 +265,7 @@ class Loader:
             transforms=self._transforms,
             obs_columns=self._obs_columns,
             epoch=self._position.epoch,
+            mixture=self.dataset if isinstance(self.dataset, Mixture) else None,
         )
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -6,9 +6,10 @@ stack insists on ``torch.utils.data.DataLoader``, ``loader.as_torch_dataset()`` 
 multiprocessing_context="spawn")`` (Lance is not fork-safe). The rank's share of each epoch is
 split among the ``k`` workers by parts, so every cell still comes exactly once per epoch.
 
-Each worker process reopens the dataset at the loader's pinned Lance versions. Every iteration
-advances the epoch counter of the object iterated: in-process, and in persistent workers
-(``persistent_workers=True``), epochs therefore advance by themselves. Non-persistent workers
+Each worker process reopens the dataset (a mixture: each of its sources) at the loader's pinned
+Lance versions. Every iteration advances the epoch counter of the object iterated: in-process,
+and in persistent workers (``persistent_workers=True``), epochs therefore advance by
+themselves. Non-persistent workers
 iterate fresh copies each epoch, so, as with ``DistributedSampler``, call ``set_epoch(e)``
 before each epoch; it is harmless in the other cases. As with the loader, ``n_epochs`` counts
 the epochs of the whole run: iterating epoch ``n_epochs`` or later yields nothing.
@@ -33,6 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from slafload.config import LoaderConfig
 from slafload.data.dataset import open_dataset
+from slafload.data.mixture import Mixture
 from slafload.errors import StateError
 from slafload.pipeline import epochs
 from slafload.pipeline.epochs import Delivery, Position, Run
@@ -51,7 +53,7 @@ class SlafIterableDataset(IterableDataset[LoaderBatch]):
         self,
         *,
         uri: str,
-        versions: Mapping[str, int],
+        versions: Mapping[str, Any],
         storage_options: Mapping[str, str] | None,
         sampler: Sampler,
         tokenizer: Tokenizer,
@@ -61,6 +63,7 @@ class SlafIterableDataset(IterableDataset[LoaderBatch]):
         transforms: Sequence[ChunkTransform],
         obs_columns: Sequence[str],
         epoch: int = 0,
+        mixture: Mixture | None = None,
     ):
         super().__init__()
         self._settings: dict[str, Any] = {
@@ -74,6 +77,7 @@ class SlafIterableDataset(IterableDataset[LoaderBatch]):
             "world_size": world_size,
             "transforms": tuple(transforms),
             "obs_columns": tuple(obs_columns),
+            "mixture": mixture,  # pickled as its sources' URIs and versions (Mixture.__reduce__)
         }
         self.epoch = epoch
         self._progress = (epoch, 0)  # (epoch, cells this copy has yielded in it)
@@ -96,7 +100,7 @@ class SlafIterableDataset(IterableDataset[LoaderBatch]):
     def _open(self) -> Run:
         if self._run is None:
             s = self._settings
-            ds = open_dataset(
+            ds = s["mixture"] or open_dataset(
                 s["uri"], version=dict(s["versions"]), storage_options=s["storage_options"]
             )
             self._run = self._run_on(ds)
@@ -179,6 +183,8 @@ class SlafIterableDataset(IterableDataset[LoaderBatch]):
         run = current if ds is current.spec.dataset else self._run_on(ds)
         position = epochs.read_state(state, run)
         s["versions"], self._run = dict(versions), run
+        if isinstance(ds, Mixture):
+            s["mixture"] = ds
         self._resume = (position.epoch, position.cells)
         self.epoch = position.epoch
 

@@ -249,3 +249,38 @@ def test_waiting_for_queue_feeders_is_bounded():
     queue.close()
     queue.join_thread()
     assert not _feeders()
+
+
+def test_a_mixture_is_split_among_dataloader_workers_and_resumes_in_process(tmp_path):
+    from torch.utils.data import DataLoader
+
+    a = write_dense(tmp_path / "a.slaf", random_counts(90, 20, seed=1), max_rows_per_file=301)
+    b = write_dense(tmp_path / "b.slaf", random_counts(70, 20, seed=2), max_rows_per_file=301)
+
+    def dataset():
+        with Loader([a, b], batch_size=10, max_genes=8, seed=2, n_epochs=1) as loader:
+            return loader.as_torch_dataset()
+
+    def rows(batches) -> dict[tuple[int, int], np.ndarray]:
+        out = {}
+        for batch in batches:
+            pairs = zip(batch["source"].tolist(), batch["cell_integer_id"].tolist(), strict=True)
+            for j, key in enumerate(pairs):
+                assert key not in out
+                out[key] = batch["input_ids"][j].numpy().copy()
+        return out
+
+    with Loader([a, b], batch_size=10, max_genes=8, seed=2, n_epochs=1) as loader:
+        want = rows(loader)
+    assert len(want) == 160
+    workers = rows(DataLoader(dataset(), num_workers=2, **SPAWN))  # each reopens the sources
+    assert workers.keys() == want.keys()
+    for key, ids_ in want.items():
+        np.testing.assert_array_equal(workers[key], ids_)
+    first = dataset()
+    it = iter(first)
+    head = [next(it) for _ in range(5)]
+    resumed = dataset()
+    resumed.load_state_dict(first.state_dict())
+    both = rows([*head, *resumed])
+    assert both.keys() == want.keys()

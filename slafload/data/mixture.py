@@ -30,7 +30,6 @@ encoding and ``scgpt``'s per-cell quantile bins, with no loader-level chunk tran
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import os
@@ -172,27 +171,20 @@ class Mixture:
 
     @cached_property
     def vocabulary(self) -> Vocabulary:
-        """The shared gene vocabulary (see ``vocabulary=``).
-
-        Raises:
-            VocabularyError: ``vocabulary=None`` and the sources' genes differ.
-        """
+        """The shared gene vocabulary (``vocabulary=``); raises :class:`VocabularyError`."""
         return self._vocabulary(self._options["vocabulary"], self._options["gene_column"])
 
     @cached_property
     def transform(self) -> PerSource:
-        """The chunk transform of every source: its value handling, its own transforms, then
-        its remap into :attr:`vocabulary` (with presets: its own transforms, then its
-        preset's, see :meth:`with_presets`).
+        """Each source's value handling, own transforms, then remap into :attr:`vocabulary`
+        (with presets: its own transforms, then its preset's; :meth:`with_presets`).
 
         Raises:
             VocabularyError: ``vocabulary=None`` and the sources' genes differ.
         """
+        pairs = zip(self.sources, self.presets, strict=True)
         if self.presets:
-            steps = [
-                (*s.transforms, *p.transforms)
-                for s, p in zip(self.sources, self.presets, strict=True)
-            ]
+            steps = [(*s.transforms, *p.transforms) for s, p in pairs]
         else:
             remaps = self._remaps(self.unknown, self._options["gene_column"])
             target_sum = self._options["target_sum"]
@@ -202,14 +194,19 @@ class Mixture:
             ]
         return PerSource(self.offsets, tuple(steps))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its sources, settings and presets, reopened at their pinned versions."""
+        specs = [dataclasses.replace(s, dataset=s.dataset.uri) for s in self.sources]  # type: ignore[union-attr]
+        pins = [(ds.versions, ds.storage_options) for ds in self.datasets]
+        return (_reopen, (specs, pins, self._options, self.presets))
+
     def with_presets(self, presets: Sequence[Preset]) -> Mixture:
-        """This mixture with ``presets[k]`` (a preset built for source ``k``) replacing source
-        ``k``'s vocabulary remap and value handling (see
-        :func:`slafload.presets.mixture_preset`); the source's own transforms run first.
+        """This mixture with ``presets[k]`` replacing source ``k``'s vocabulary remap and
+        value handling (:func:`slafload.presets.mixture_preset`).
         """
-        mixed = copy.copy(self)
+        mixed = object.__new__(Mixture)  # a shallow copy (copy.copy would reopen it)
+        mixed.__dict__.update(self.__dict__, presets=tuple(presets))
         mixed.__dict__.pop("transform", None)
-        mixed.presets = tuple(presets)
         return mixed
 
     # -- what the chain asks of a dataset ----------------------------------------------------
@@ -453,14 +450,17 @@ class Mixture:
     def __repr__(self) -> str:
         mode = "one_pass" if self.epoch_cells is None else f"epoch_cells={self.epoch_cells}"
         vocab = self._options["vocabulary"]
-        genes = (
-            f"preset={self.presets[0].name!r}"
-            if self.presets
-            else f"vocabulary={len(vocab)} genes"
-            if isinstance(vocab, Vocabulary)
-            else f"vocabulary={vocab!r}"
-        )
+        vocab = f"{len(vocab)} genes" if isinstance(vocab, Vocabulary) else repr(vocab)
+        genes = f"preset={self.presets[0].name!r}" if self.presets else f"vocabulary={vocab}"
         return f"Mixture({self.uri}, n_cells={self.n_cells:,}, {genes}, {mode}, mix={self.mix})"
+
+
+def _reopen(sources: Sequence[Source], pins: list, options: dict, presets: tuple) -> Mixture:
+    opened = [
+        dataclasses.replace(s, dataset=open_dataset(s.dataset, version=dict(v), storage_options=o))  # type: ignore[arg-type]
+        for s, (v, o) in zip(sources, pins, strict=True)
+    ]
+    return Mixture(opened, **options).with_presets(presets)
 
 
 def _default_name(uri: str) -> str:

@@ -177,3 +177,23 @@ def test_source_transforms_see_cell_ids_within_their_source(world, tmp_path: Pat
     with Loader(mix, n_epochs=1, **SETTINGS) as loader:
         list(loader)
     assert sorted(np.concatenate(seen).tolist()) == list(range(90))
+
+
+def test_a_preset_mixtures_torch_dataset_pickles_and_gives_the_loaders_tokens(world):
+    import pickle
+
+    opts = options(world, "scgpt-reference")
+    make = lambda: Loader(list(world["paths"].values()), tokenizer="scgpt-reference",  # noqa: E731
+                          tokenizer_options=opts, n_epochs=1, **SETTINGS)  # fmt: skip
+    want, _ = by_cell(make())
+    with make() as loader:
+        copy = pickle.loads(pickle.dumps(loader.as_torch_dataset()))  # as a worker gets it
+    got = {}
+    for batch in copy:
+        pairs = zip(batch["source"].tolist(), batch["cell_integer_id"].tolist(), strict=True)
+        for j, key in enumerate(pairs):
+            got[(0, *key)] = {k: batch[k][j].numpy() for k in KEYS}
+    assert got.keys() == want.keys()
+    for key, row in want.items():
+        for name, array in row.items():
+            np.testing.assert_array_equal(got[key][name], array)
