@@ -5,7 +5,8 @@ and repeated genes, cells deleted with Lance's ``delete``, every value and id dt
 table may hold, several data files, Lance file formats 2.0 and 2.1+) and loader settings
 (tokenizer x layout x ``max_genes`` at every integer-type edge x ``token_dtype`` x kernels x
 where tokens are made x sampler x mixture, cell- or batch-mixed x reader, direct or Lance's x
-ranks x resume), streams one epoch through a real :class:`~slafload.Loader`, and checks every
+ranks x resume x face, the loader or its ``as_torch_dataset()`` pickled as a DataLoader worker
+gets it), streams one epoch through a real :class:`~slafload.Loader`, and checks every
 batch against ``contract_reference`` (plain Python from the specification, no slafload code):
 tokens, masks, ``cu_seqlens``/``position_ids``, values, obs codes, cell ids and sources, dtypes,
 exactly-once per epoch, equal batches on every rank, and resumed runs equal to uninterrupted ones.
@@ -16,6 +17,7 @@ exactly-once per epoch, equal batches on every rank, and resumed runs equal to u
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -122,6 +124,10 @@ def cases(draw) -> dict[str, Any]:
         "deleted": [
             sorted(draw(st.sets(st.integers(0, len(a.cells) - 1), max_size=3))) for a, _ in sources
         ],
+        # The loader, or its IterableDataset pickled as a DataLoader worker receives it.
+        "face": draw(st.sampled_from(["loader", "dataset"]))
+        if tokenize_on == "producer"
+        else "loader",
         "world_size": draw(st.sampled_from([1, 1, 2])),
         "stop_after": draw(st.integers(0, 6)),
     }
@@ -151,7 +157,12 @@ def make_loader(paths: list[Path], case: dict[str, Any], **extra: Any) -> Loader
     )
 
 
-def epoch(loader: Loader) -> list[dict[str, np.ndarray]]:
+def worker_copy(loader: Loader) -> Any:
+    """``loader.as_torch_dataset()`` as a DataLoader worker gets it: pickled and loaded."""
+    return pickle.loads(pickle.dumps(loader.as_torch_dataset()))
+
+
+def epoch(loader: Any) -> list[dict[str, np.ndarray]]:
     batches = []
     for batch in loader:
         assert all(isinstance(v, torch.Tensor) for v in batch.values())
@@ -236,7 +247,8 @@ def test_every_batch_equals_the_reference_on_every_path(case):
         for rank in range(case["world_size"]):
             extra = {"rank": rank, "world_size": case["world_size"]}
             with make_loader(paths, case, **extra) as loader:
-                batches = epoch(loader)
+                face = loader if case["face"] == "loader" else worker_copy(loader)
+                batches = epoch(face)
             for batch in batches:
                 check_batch(batch, case, atlas_of, n_sources)
             ranks.append(batches)
