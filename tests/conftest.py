@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -27,6 +28,7 @@ def load_script(relative: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -296,3 +298,45 @@ def run_cells(batches) -> list[tuple[int, int]]:
         for b in batches
         for s, c in zip(b["source"].tolist(), b["cell_integer_id"].tolist(), strict=True)
     ]
+
+
+S3_KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+S3_REGION = "us-east-1"
+
+
+@pytest.fixture
+def s3_endpoint():
+    """The URL of moto's S3 server, started on a free loopback port for the test."""
+    moto_server = pytest.importorskip("moto.server")
+    pytest.importorskip("boto3")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_proxy(s3_endpoint):
+    """A counting forwarder (``benchmarks/s3_proxy.py``) in front of :func:`s3_endpoint`."""
+    with load_script("benchmarks/s3_proxy.py").S3Proxy(s3_endpoint) as proxy:
+        yield proxy
+
+
+def s3_options(endpoint: str) -> dict[str, str]:
+    """Lance storage options for a bucket of moto's server (or a proxy of it) at ``endpoint``."""
+    return {**S3_KEYS, "aws_region": S3_REGION, "aws_endpoint": endpoint, "allow_http": "true"}
+
+
+def upload(directory: Path, endpoint: str, bucket: str, prefix: str) -> str:
+    """Copy the files under ``directory`` to ``s3://bucket/prefix/`` (the bucket created
+    here) on the server at ``endpoint``; returns that URI.
+    """
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name=S3_REGION, **S3_KEYS)
+    s3.create_bucket(Bucket=bucket)
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(directory).as_posix()}")
+    return f"s3://{bucket}/{prefix}"

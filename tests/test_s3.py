@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import random_counts, write_dense
+from conftest import S3_KEYS, S3_REGION, random_counts, upload, write_dense
 
 from slafload import ConfigError, Loader, open_dataset
 from slafload._lance.data_files import REMOTE_THREADS
@@ -18,28 +18,9 @@ from slafload.pipeline.reader import COLUMNS, Reader, ReadOptions
 from slafload.samplers import BlockShuffle
 
 boto3 = pytest.importorskip("boto3")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
-KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-REGION = "us-east-1"
-
-
-@pytest.fixture
-def s3_endpoint():
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
-def upload(directory, endpoint: str, bucket: str, prefix: str) -> str:
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name=REGION, **KEYS)
-    s3.create_bucket(Bucket=bucket)
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(directory).as_posix()}")
-    return f"s3://{bucket}/{prefix}"
+KEYS, REGION = S3_KEYS, S3_REGION
 
 
 def tokens(dataset, tokenizer: str, **settings) -> list[dict[str, np.ndarray]]:

@@ -1,0 +1,62 @@
+"""Reading an atlas from an object store: moto's S3 server behind a counting forwarder
+(``benchmarks/s3_proxy.py``), the same cells and tokens as the local copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import s3_options, upload
+
+from slafload import Loader, open_dataset, synthetic
+from slafload.samplers import BlockShuffle
+
+pytest.importorskip("boto3")
+pytest.importorskip("moto.server")
+
+
+@pytest.fixture(scope="module")
+def atlas(tmp_path_factory):
+    """A 1,500-cell atlas in 4 data files (Lance 2.2, as converters write)."""
+    path = tmp_path_factory.mktemp("atlas") / "a.slaf"
+    return synthetic.write_atlas(path, n_cells=1500, n_genes=2000, n_plates=3, mean_nnz=40,
+                                 empty_fraction=0.02, seed=5, max_rows_per_file=16_000)  # fmt: skip
+
+
+@pytest.fixture
+def remote(atlas, s3_endpoint, s3_proxy):
+    """The atlas on S3, opened through the counting proxy (the upload bypasses it)."""
+    uri = upload(atlas, s3_endpoint, "atlas-bucket", "a.slaf")
+    return open_dataset(uri, storage_options=s3_options(s3_proxy.endpoint))
+
+
+def batches(dataset, **settings) -> list[dict[str, np.ndarray]]:
+    with Loader(dataset, tokenizer="geneformer", batch_size=32, max_genes=64, seed=3,
+                **settings) as loader:  # fmt: skip
+        return [{k: v.numpy() for k, v in batch.items()} for batch in loader]
+
+
+def assert_same(want: list[dict[str, np.ndarray]], got: list[dict[str, np.ndarray]]) -> None:
+    assert len(want) == len(got) > 0
+    for a, b in zip(want, got, strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    cells = np.concatenate([b["cell_integer_id"] for b in got])
+    assert np.array_equal(np.sort(cells), np.arange(len(cells)))  # each cell once
+
+
+def test_a_chunk_shuffle_epoch_from_s3_is_the_local_epoch_and_its_requests_are_counted(
+    atlas, remote, s3_proxy
+):
+    opened = s3_proxy.reset()
+    assert opened.total > 0 and opened.bytes > 0  # config, manifests, cell offsets
+    assert_same(batches(open_dataset(atlas)), batches(remote))
+    read = s3_proxy.reset()
+    assert read.requests.get("GET", 0) > 0 and read.bytes > 0
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_a_block_shuffle_epoch_from_s3_is_the_local_epoch(atlas, remote, block_size):
+    sampler = {"sampler": BlockShuffle(block_size=block_size, fetch_factor=8, batch_size=32)}
+    assert_same(batches(open_dataset(atlas), **sampler), batches(remote, **sampler))
