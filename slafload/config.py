@@ -71,6 +71,11 @@ class RetryPolicy:
         return min(self.initial_backoff * 2.0 ** (retry - 1), self.max_backoff)
 
 
+RANGE_GAP = 8 << 10
+"""Default :attr:`Tuning.range_gap`: Arrow's ``hole_size_limit``."""
+REQUESTS_IN_FLIGHT = 64
+"""Default :attr:`Tuning.requests_in_flight`."""
+
 READERS = ("auto", "lance")
 """Values of :attr:`Tuning.reader`."""
 
@@ -140,6 +145,12 @@ class Tuning:
             does not handle fall back to Lance by themselves (a
             :class:`~slafload.errors.ReaderFallbackWarning` says why). Both return the same
             rows.
+        range_gap: On an ``s3://`` store, byte ranges of one data file at most this many
+            bytes apart are read by one request, the gap read through
+            (docs/object-storage.md). Raise it where requests cost more than bytes.
+        requests_in_flight: On an ``s3://`` store, range requests under way at once, in
+            ``[1, 1024]`` (each waits on the store's latency on a thread of its own; the read
+            threads' windows bound the bytes they hold).
     """
 
     memory_budget: int = 512 << 20
@@ -152,6 +163,8 @@ class Tuning:
     check_rows: str = "once"
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     reader: str = "auto"
+    range_gap: int = RANGE_GAP
+    requests_in_flight: int = REQUESTS_IN_FLIGHT
 
     def __post_init__(self) -> None:
         for name in ("memory_budget", "queue_depth", "piece_cells", "batch_rows"):
@@ -159,6 +172,8 @@ class Tuning:
         check_int("read_ahead", self.read_ahead, low=0, high=8)
         check_int("first_read_cells", self.first_read_cells, low=0)
         check_int("read_threads", self.read_threads, low=1, high=256, none_ok=True)
+        check_int("range_gap", self.range_gap, low=0)
+        check_int("requests_in_flight", self.requests_in_flight, low=1, high=1024)
         if not isinstance(self.retry, RetryPolicy):
             raise ValueError(f"retry must be a RetryPolicy, got {self.retry!r}")
         check_choice("check_rows", self.check_rows, ("once", "always"))

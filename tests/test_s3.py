@@ -38,21 +38,23 @@ def test_a_dataset_on_s3_yields_the_tokens_of_its_local_copy(tmp_path, s3_endpoi
     remote = open_dataset(uri, storage_options=options)
     assert remote.uri == uri and remote.n_cells == 90 and remote.n_genes == 30
     np.testing.assert_array_equal(remote.cell_start, open_dataset(local).cell_start)
-    # Lance 2.2 files on an object store: take_scan by default (fewer requests per range)...
-    assert Reader(remote).data_files() is None and Reader(open_dataset(local)).data_files()
-    files = Reader(
-        remote, ReadOptions(direct=True)
-    ).data_files()  # ...and the direct path works there too
-    assert files is not None and files.n_files > 1 and files.threads == REMOTE_THREADS
+    # Lance 2.2 files on S3: read by range requests by default...
+    ranged = Reader(remote).data_files()
+    assert ranged is not None and ranged.ranged is not None and ranged.threads == REMOTE_THREADS
+    # ...or by Lance's file readers (each range's page metadata requested again)
+    files = Reader(remote, ReadOptions(direct=True, store=None)).data_files()
+    assert files is not None and files.n_files > 1 and files.ranged is None
     rows = np.array([[0, 7], [150, 420], [600, 601]], dtype=np.int64)  # across files
     local_files = Reader(open_dataset(local)).data_files()
-    for got, want in zip(files.read(rows, COLUMNS), local_files.read(rows, COLUMNS), strict=True):
-        assert pa.Table.from_batches(list(got)).equals(pa.Table.from_batches(list(want)))
+    for reader in (files, ranged):
+        pairs = zip(reader.read(rows, COLUMNS), local_files.read(rows, COLUMNS), strict=True)
+        for got, want in pairs:
+            assert pa.Table.from_batches(list(got)).equals(pa.Table.from_batches(list(want)))
     blocks = {"sampler": BlockShuffle(block_size=3, fetch_factor=2, batch_size=16)}
     for tokenizer, settings in [("geneformer", {}), ("scgpt", {}), ("scgpt", blocks),
                                 ("geneformer", "direct")]:  # fmt: skip
-        if settings == "direct":  # the direct path forced on the object store too
-            read_paths(direct=True)
+        if settings == "direct":  # the direct path through Lance's file readers too
+            read_paths(direct=True, store=None)
             settings = blocks
         want, got = tokens(local, tokenizer, **settings), tokens(remote, tokenizer, **settings)
         assert len(want) == len(got) == 6

@@ -51,6 +51,7 @@ from slafload._lance._compat import take_scan
 from slafload._lance.flat_pages import V2_0, V2_1, FlatFile
 from slafload._lance.flat_reads import FlatRange, read_ranges
 from slafload._lance.fragments import Deletions, Matched, file_versions, stored_names, survey
+from slafload._lance.object_store import StoreOptions, supported
 from slafload._lance.open_files import DECLINED, OpenFiles, is_remote
 from slafload._lance.pieces import Job, Pending, keep_rows, pieces_kept
 from slafload.kernels import NUMPY, Kernels
@@ -82,9 +83,10 @@ def flat_threads() -> int:
 
 
 def direct_by_default(expression: lance.LanceDataset) -> bool:
-    """Whether scattered ranges of ``expression`` are read through kept-open file readers
-    when ``Tuning.reader`` is ``"auto"``: on local storage, and on an
-    object store when every data file is in Lance's 2.0 format.
+    """Whether scattered ranges of ``expression`` are read through kept-open data files
+    when ``Tuning.reader`` is ``"auto"``: on local storage, on an ``s3://`` store (by range
+    requests, :mod:`slafload._lance.ranged`), and on other object stores when every data
+    file is in Lance's 2.0 format.
 
     A pylance file reader keeps no cache of page metadata, so on an object store each range
     of a 2.1+ file first requests its pages' chunk metadata again; ``take_scan`` goes
@@ -94,7 +96,7 @@ def direct_by_default(expression: lance.LanceDataset) -> bool:
     files (``slafload optimize``), whose range reads need no such requests, 8,549 vs 6,205
     and 1,314 vs 1,314. Locally the direct path is several times faster per range.
     """
-    if not is_remote(expression.uri):
+    if not is_remote(expression.uri) or supported(expression.uri):
         return True
     versions = file_versions(expression)
     return bool(versions) and max(versions) <= (2, 0)
@@ -125,6 +127,8 @@ class DataFiles(OpenFiles):
             is loaded.
         mini: Flat reads decode 2.1+ files' mini-block pages too (:mod:`slafload._lance.miniblock`),
             by ``kernels``' ``decode_chunks`` once it is loaded (Lance's reader until then).
+        store: How files on an ``s3://`` store are read by range requests
+            (:mod:`slafload._lance.ranged`); ``None``: by Lance's file readers.
     """
 
     def __init__(
@@ -140,9 +144,10 @@ class DataFiles(OpenFiles):
         pool: BytePool | None = None,
         versions: Sequence[tuple[int, int]] | None = None,
         mini: bool = False,
+        store: StoreOptions | None = None,
     ):
         super().__init__(paths, storage_options, max_open, flat=flat, kernels=kernels,
-                         versions=versions, mini=mini)  # fmt: skip
+                         versions=versions, mini=mini, store=store)  # fmt: skip
         self.starts = np.asarray(starts, dtype=np.int64)
         remote = bool(self.paths) and is_remote(self.paths[0])
         if threads is None:
@@ -174,6 +179,7 @@ class DataFiles(OpenFiles):
         kernels: Kernels = NUMPY,
         pool: BytePool | None = None,
         mini: bool = False,
+        store: StoreOptions | None = None,
     ) -> DataFiles | str:
         """The data files of ``expression``'s pinned version, or why reading them directly
         would not be exact (see the module docstring and :mod:`slafload._lance.fragments`).
@@ -182,16 +188,21 @@ class DataFiles(OpenFiles):
         (:mod:`slafload._lance.flat_pages`): Lance 2.0 files, and with ``mini`` 2.1+ files when
         ``kernels`` are numba's (their mini-block pages decoded by a kernel,
         :mod:`slafload._lance.miniblock`; the numpy decoder is the reference, slower than Lance's).
+        ``store``: on an ``s3://`` store, read the files by range requests
+        (:mod:`slafload._lance.ranged`), their 2.1+ pages decoded by numpy until numba's kernel
+        is loaded (a request's latency dwarfs the decoding).
         """
         found = survey(expression)
         if isinstance(found, str):
             return found
-        mini = mini and kernels.backend == "numba"  # 2.1+ pages are decoded by a kernel
+        ranged = store is not None and supported(expression.uri)
+        mini = mini and (ranged or kernels.backend == "numba")  # 2.1+: a kernel decodes
         versions = found.versions
         flat = flat and any(v in V2_0 or (mini and v in V2_1) for v in versions)
         starts = np.concatenate([[0], np.cumsum(found.rows)])
         direct = cls(found.paths, starts, storage_options, max_open, threads, flat=flat,
-                     kernels=kernels, pool=pool, versions=versions, mini=mini)  # fmt: skip
+                     kernels=kernels, pool=pool, versions=versions, mini=mini,
+                     store=store if ranged else None)  # fmt: skip
         try:
             stored = direct._new_reader(0, None).metadata().schema
         except Exception as exc:  # an unreadable file is the scan's to report, not ours

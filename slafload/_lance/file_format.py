@@ -183,7 +183,9 @@ class FileFormat:
                 self._schemas[key] = schema
         return schema
 
-    def _columns(self, fd: int, footer: Footer, columns: Sequence[str]) -> list[_Column] | None:
+    def _columns(
+        self, fd: int | miniblock.ReadAt, footer: Footer, columns: Sequence[str]
+    ) -> list[_Column] | None:
         if footer.version != self.version or footer.schema != self.written_schema:
             return None
         if footer.n_columns != len(self.column_encodings):
@@ -234,7 +236,7 @@ class FileFormat:
 
 
 def _load_pages(
-    fd: int, pages: list[tuple[miniblock.Layout, list[tuple[int, int]], int, int]],
+    fd: int | miniblock.ReadAt, pages: list[tuple[miniblock.Layout, list[tuple[int, int]], int, int]],
     tables: np.ndarray,
 ) -> list[miniblock.MiniPage] | None:  # fmt: skip
     """The :class:`miniblock.MiniPage` of each ``(layout, buffers, rows, tables_at)`` of the

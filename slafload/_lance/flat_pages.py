@@ -42,7 +42,7 @@ import itertools
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -118,6 +118,10 @@ class FlatFile:
     CPython: a reader the cache evicts is closed once no read thread holds it).
     """
 
+    fill: Callable[[Sequence[tuple[Any, np.ndarray]]], None] | None = None
+    """Reads a window's runs of file bytes into their buffers, where something other than
+    ``pread`` does (:class:`~slafload._lance.ranged.RangedFile`)."""
+
     def __init__(
         self, path: str, schema: pa.Schema, columns: Sequence[_Column], fd: int | None = None,
         names: tuple[str, ...] = (),
@@ -182,33 +186,15 @@ class FlatFile:
             except ValueError as exc:  # a 2.0 file still reads flat; no format is learned
                 logger.debug("no footer parsed from %s: %r", path, exc)
                 footer = None
-            rows = None  # 2.1+: each page's rows, which only the footer has
-            if version not in V2_0:
-                if footer is None:
-                    flat.close()
-                    return None, None, None
-                rows = [[p.rows for p in c] for _, c in footer.columns()]
-            picked = []
-            for name in columns:
-                index = stored.get_field_index(name)
-                if index < 0:
-                    flat.close()
-                    return None, None, None
-                kind, pages = stored.field(index).type, meta.columns[index].pages
-                column = (
-                    _column(kind, pages, meta.num_rows)
-                    if rows is None
-                    else _mini_column(fd, kind, pages, rows[index], meta.num_rows)
-                )
-                if column is None:
-                    flat.close()
-                    return None, None, None
-                picked.append(column)
+            picked = meta_columns(fd, meta, footer, columns)
+            if picked is None:
+                flat.close()
+                return None, None, None
             flat.schema = pa.schema([stored.field(name) for name in columns])
             flat.names = tuple(stored.names)
             flat._columns = picked
-            n_check = CHECK_ROWS if rows is None else CHECK_MINI_ROWS
-            agrees = not check[rows is not None] or flat._agrees(
+            n_check = CHECK_MINI_ROWS if flat.mini else CHECK_ROWS
+            agrees = not check[flat.mini] or flat._agrees(
                 reader, list(columns), meta.num_rows, n_check, kernels
             )
         except Exception as exc:  # anything unexpected: Lance reads this file
@@ -274,6 +260,36 @@ class FlatFile:
         return True
 
 
+def meta_columns(
+    fd: int | miniblock.ReadAt, meta: Any, footer: Footer | None, columns: Sequence[str]
+) -> list[_Column] | None:
+    """The pages of ``columns`` of the data file open as ``fd`` (or read by it), from
+    Lance's metadata of it, ``meta`` (a 2.1+ file's page rows from its walked ``footer``);
+    ``None`` unless every page is one the flat reads decode.
+    """
+    version = (getattr(meta, "major_version", None), getattr(meta, "minor_version", None))
+    rows = None  # 2.1+: each page's rows, which only the footer has
+    if version not in V2_0:
+        if footer is None:
+            return None
+        rows = [[p.rows for p in c] for _, c in footer.columns()]
+    stored, picked = meta.schema, []
+    for name in columns:
+        index = stored.get_field_index(name)
+        if index < 0:
+            return None
+        kind, pages = stored.field(index).type, meta.columns[index].pages
+        column = (
+            _column(kind, pages, meta.num_rows)
+            if rows is None
+            else _mini_column(fd, kind, pages, rows[index], meta.num_rows)
+        )
+        if column is None:
+            return None
+        picked.append(column)
+    return picked
+
+
 def _fixed(kind: pa.DataType) -> bool:
     return pa.types.is_integer(kind) or pa.types.is_floating(kind)
 
@@ -307,7 +323,11 @@ def _open_fd(path: str) -> int:
 
 
 def _mini_column(
-    fd: int, kind: pa.DataType, pages: Sequence, rows: Sequence[int], num_rows: int
+    fd: int | miniblock.ReadAt,
+    kind: pa.DataType,
+    pages: Sequence,
+    rows: Sequence[int],
+    num_rows: int,
 ) -> _Column | None:
     """A 2.1+ column's pages (each read by :mod:`slafload._lance.miniblock`), or ``None`` unless
     every page is one it decodes and the pages' rows add up to the file's.

@@ -48,7 +48,9 @@ def read_ranges(
     cut short) is done again by ``preadv``, which raises its ``OSError``. Mini-block pages
     (2.1+) are read the same way into a second buffer, the chunks holding each range, then
     decoded into the first by one call of the ``decode_chunks`` kernel
-    (:mod:`slafload._lance.miniblock`'s numpy code until it is compiled).
+    (:mod:`slafload._lance.miniblock`'s numpy code until it is compiled). Files on an object
+    store (:class:`~slafload._lance.ranged.RangedFile`) are read the same way but for the reads
+    themselves, which their ``fill`` makes as range requests.
 
     The planning is a few Python steps per range, column and page (its lookups ``bisect``
     on Python ints): on the 5M-cell atlas a window holds ~128 ranges from as many files, so
@@ -71,7 +73,11 @@ def read_ranges(
         np.zeros(0, np.uint8) if not len(decode.table)
         else fresh(packed.total, np.uint8) if pool is None else pool.take(packed.total)
     )  # fmt: skip
-    if not _read_decode(direct, buffer, packed, scratch, decode, kernels):
+    if head.fill is not None:  # an object store's files: range requests, then the decode
+        head.fill(((direct, buffer), (packed, scratch)))
+        if len(decode.table):
+            decode.run(scratch, buffer, kernels)
+    elif not _read_decode(direct, buffer, packed, scratch, decode, kernels):
         direct.read(buffer, kernels)
         if len(decode.table):
             packed.read(scratch, kernels)

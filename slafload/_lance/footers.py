@@ -9,7 +9,7 @@ once for them all.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -172,10 +172,18 @@ def read_footer(fd: int, status: int | None = None) -> Footer:
     """
     if status == BAD:
         raise ValueError("not a Lance 2.x footer this reads")
-    size = os.fstat(fd).st_size
+    return walk_footer(lambda n, at: os.pread(fd, n, at), os.fstat(fd).st_size)
+
+
+def walk_footer(read: Callable[[int, int], bytes], size: int) -> Footer:
+    """The walked footer of the Lance 2.x data file of ``size`` bytes whose bytes
+    ``read(n, at)`` returns (a local file's ``pread``, an object store's range GET): its
+    last :data:`TAIL` bytes, then more where its metadata starts before them. Raises
+    ``ValueError`` if it is not one this reads.
+    """
     base = max(0, size - TAIL)
     while True:
-        tail = os.pread(fd, size - base, base)
+        tail = read(size - base, base)
         if len(tail) != size - base:
             raise ValueError("file changed while its footer was read")
         rec = [0] * RECORD  # a list: Python sets its items faster than an array's

@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from slafload._lance.footer import SPAN, STRIDE
+
+ReadAt = Callable[[int, int], bytes]
+"""``read(n, at)``: ``n`` bytes of a file from offset ``at`` (an object store's range reads)."""
 
 MINI_FLAT, RLE, BITPACK, CONSTANT = 1, 2, 3, 4  # page kinds (0 is a 2.0 flat page)
 FL_ORDER = np.array([0, 4, 2, 6, 1, 5, 3, 7], dtype=np.int64)  # FastLanes' row order
@@ -178,11 +182,11 @@ def layout(encoding: str, width: int) -> tuple[Layout, int] | None:
     return Layout(kind, n_buffers, match["large"] == "true"), int(match["items"])
 
 
-def page(fd: int, encoding: str, buffers: list[tuple[int, int]], width: int,
+def page(fd: int | ReadAt, encoding: str, buffers: list[tuple[int, int]], width: int,
          rows: int) -> MiniPage | None:  # fmt: skip
     """The :class:`MiniPage` of a page of ``rows`` values of ``width`` bytes whose encoding
     pylance prints as ``encoding``, with ``buffers`` ``(position, size)``, in the file open
-    as ``fd`` (its chunk words read now); ``None`` for any other page.
+    as ``fd`` (or read by it: :data:`ReadAt`; its chunk words read now); ``None`` for any other page.
     """
     if _CONSTANT.fullmatch(squeezed(encoding)) is not None:
         raw = re.search(r'inline_value:\s*Some\(\s*b"((?:[^"\\]|\\.)*)"', str(encoding))
@@ -197,7 +201,9 @@ def page(fd: int, encoding: str, buffers: list[tuple[int, int]], width: int,
     return load(fd, found[0], buffers, rows)
 
 
-def load(fd: int, layout: Layout, buffers: list[tuple[int, int]], rows: int) -> MiniPage | None:
+def load(
+    fd: int | ReadAt, layout: Layout, buffers: list[tuple[int, int]], rows: int
+) -> MiniPage | None:
     """The :class:`MiniPage` of a page of ``rows`` values laid out as ``layout`` with
     ``buffers`` ``(position, size)`` in the file open as ``fd``: its chunk words read now,
     and required to add up to the page's rows and to its chunks' bytes; else ``None``.
@@ -346,8 +352,8 @@ def _decode_chunk(chunk: np.ndarray, kind: int, dtype: np.dtype, header: int, si
     return out[:count].astype(dtype)
 
 
-def _pread(fd: int, n: int, at: int) -> bytes:
-    data = os.pread(fd, n, at)
+def _pread(fd: int | ReadAt, n: int, at: int) -> bytes:
+    data = os.pread(fd, n, at) if isinstance(fd, int) else fd(n, at)
     if len(data) != n:
         raise OSError(f"unexpected end of file reading {n} bytes at {at}")
     return data

@@ -26,6 +26,8 @@ from slafload._lance._compat import file_session
 from slafload._lance.file_format import FlatFiles
 from slafload._lance.flat_pages import V2_0, FlatFile
 from slafload._lance.fragments import Matched
+from slafload._lance.object_store import ObjectStore, StoreOptions, supported
+from slafload._lance.ranged import RangedFiles
 from slafload.errors import ReaderFallbackWarning
 from slafload.kernels import NUMPY, Kernels
 
@@ -99,6 +101,8 @@ class OpenFiles:
         kernels: What opens and reads the flat files.
         versions: Each data file's Lance format ``(major, minor)``, where known.
         mini: Open 2.1+ files' mini-block pages flat too, once the decoder is loaded.
+        store: On an ``s3://`` store, read the files' pages by range requests
+            (:mod:`slafload._lance.ranged`) as these options say; ``None``: Lance's reader.
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class OpenFiles:
         kernels: Kernels = NUMPY,
         versions: Sequence[tuple[int, int]] | None = None,
         mini: bool = False,
+        store: StoreOptions | None = None,
     ):
         self.paths = list(paths)
         self._v2_0 = None if versions is None else [v in V2_0 for v in versions]
@@ -119,9 +124,18 @@ class OpenFiles:
         if self.max_open < 1:
             raise ValueError(f"max_open must be >= 1, got {self.max_open}")
         remote = bool(self.paths) and is_remote(self.paths[0])
-        self.flat, self.kernels = flat and not remote, kernels  # pread reads local files
-        self._flat_files = FlatFiles(mini=mini and kernels.backend == "numba", kernels=kernels)
-        self._decoder = False  # the mini-block decode kernel is loaded
+        self.kernels = kernels
+        self.ranged: ObjectStore | None = None  # range requests read the files' pages
+        self._flat_files: FlatFiles | RangedFiles
+        if remote and flat and store is not None and supported(self.paths[0]):
+            self.ranged = ObjectStore(storage_options, store)
+            self._flat_files = RangedFiles(self.ranged, self._reader_of, kernels)
+        else:
+            self._flat_files = FlatFiles(mini=mini and kernels.backend == "numba", kernels=kernels)
+        self.flat = flat and (not remote or self.ranged is not None)  # pread: local files
+        # Over range requests the numpy decoder stands in until numba's is loaded: a
+        # request's latency is far longer than decoding its chunks.
+        self._decoder = self.ranged is not None  # the mini-block decode kernel is loaded
         self._open: OrderedDict[tuple[int, tuple[str, ...]], _Open] = OrderedDict()
         self._lock = threading.Lock()  # guards _open against workers opening readers
         self._session: Any | None = None  # a LanceFileSession where pylance has one
@@ -181,6 +195,10 @@ class OpenFiles:
         return LanceFileReader(
             self.paths[index], storage_options=self.storage_options, columns=columns
         )
+
+    def _reader_of(self, path: str) -> LanceFileReader:
+        """Lance's reader of every column of the data file at ``path``."""
+        return self._new_reader(self.paths.index(path), None)
 
     def _lance_reader(self, index: int, cols: tuple[str, ...]) -> LanceFileReader | object:
         """Lance's reader of ``cols`` of data file ``index``, or :data:`DECLINED` where the

@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from slafload._lance.fragments import version_error
+from slafload._lance.object_store import s3_filesystem
 from slafload.data.checks import cell_offsets, check_counts, check_schema, spot_check_expression
 from slafload.data.offsets import CellOffsets
 from slafload.errors import (
@@ -302,15 +303,7 @@ def _read_remote_text(path: str, storage_options: dict[str, str] | None) -> str:
     opts = storage_options or {}
     try:
         if path.startswith("s3://"):
-            endpoint = opts.get("aws_endpoint") or opts.get("endpoint")
-            fs = pafs.S3FileSystem(
-                access_key=opts.get("aws_access_key_id"),
-                secret_key=opts.get("aws_secret_access_key"),
-                region=opts.get("aws_region") or opts.get("region"),
-                endpoint_override=endpoint,
-                scheme="http" if endpoint and endpoint.startswith("http://") else "https",
-            )
-            key = path[len("s3://") :]
+            fs, key = s3_filesystem(opts), path[len("s3://") :]
         else:
             fs, key = pafs.FileSystem.from_uri(path)
         with fs.open_input_stream(key) as fh:

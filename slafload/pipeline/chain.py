@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from slafload._lance.object_store import StoreOptions
 from slafload.config import LoaderConfig
 from slafload.kernels import Kernels
 from slafload.pipeline.batcher import Batches, ToTorch
@@ -129,6 +130,9 @@ def build_chain(
             threads=tuning.read_threads,
             kernels=spec.kernels,
             pool=BytePool(keep=tuning.memory_budget // 2),  # flat reads' buffers, in the budget
+            store=StoreOptions(
+                gap=tuning.range_gap, in_flight=tuning.requests_in_flight, retry=tuning.retry
+            ),
         )
     )
     reader = RetryingReader(lance_reader, tuning.retry, uri=ds.uri, sleep=sleep)

@@ -31,7 +31,7 @@ import itertools
 import logging
 import warnings
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
@@ -41,6 +41,7 @@ from slafload._lance._compat import take_scan
 from slafload._lance.data_files import DataFiles, direct_by_default, is_remote
 from slafload._lance.fragments import version_error
 from slafload._lance.integrity import is_panic, raise_if_corrupt
+from slafload._lance.object_store import StoreOptions
 from slafload._validate import check_int
 from slafload.errors import ReaderFallbackWarning, ReadError, SlafloadError
 from slafload.kernels import NUMPY, Kernels, prepare_reads
@@ -88,6 +89,8 @@ class ReadOptions:
             each reader's own.
         mini: Flat reads decode local Lance 2.1+ files' mini-block pages too (with numba
             kernels; :mod:`slafload._lance.miniblock`).
+        store: How the direct path reads data files on an ``s3://`` store: by range requests
+            (:mod:`slafload._lance.ranged`); ``None``: Lance's file readers.
     """
 
     batch_rows: int = 1 << 22
@@ -97,6 +100,7 @@ class ReadOptions:
     kernels: Kernels = NUMPY
     pool: BytePool | None = None
     mini: bool = True
+    store: StoreOptions | None = field(default_factory=StoreOptions)
 
     def __post_init__(self) -> None:
         check_int("batch_rows", self.batch_rows)
@@ -131,6 +135,7 @@ class Reader:
                 kernels=o.kernels,
                 pool=o.pool,
                 mini=o.mini,
+                store=o.store,
             )
             if isinstance(found, str):
                 warnings.warn(
@@ -226,9 +231,12 @@ class Reader:
         Kept-open file readers on local storage read a span of up to a data file's worth
         faster than a scanner, whose creation runs on the producer: on the 5M-cell atlas,
         ``BlockShuffle(1, 256)`` fetches hold ~840 spans of 64Ki-1Mi rows (docs/sampling.md).
-        ``take_scan`` (no direct path) and object stores keep :data:`SCAN_FROM_ROWS`.
+        So do files read by range requests (``s3://``): a scan would read the gaps between
+        a span's ranges too. ``take_scan`` (no direct path) and other object stores keep
+        :data:`SCAN_FROM_ROWS`.
         """
-        if self.data_files() is not None and not is_remote(self.dataset.uri):
+        files = self.data_files()
+        if files is not None and (files.ranged is not None or not is_remote(self.dataset.uri)):
             return DIRECT_SCAN_FROM_ROWS
         return SCAN_FROM_ROWS
 
@@ -246,8 +254,9 @@ class Reader:
         # Lance's take by row offset costs ~10 ms a row once a table has deleted rows: the
         # data files (which skip them) read those tables' tiny spans too.
         deleted = files is not None and files.table is not None and bool(files.table.deletions)
+        ranged = files is not None and files.ranged is not None  # requests: fewest by range
         tiny = (spans[which, 1] - spans[which, 0]).sum() < TAKE_BELOW_ROWS * len(which)
-        if tiny and not deleted:
+        if tiny and not deleted and not ranged:
             ids = pa.array(expand_ranges(np.concatenate(wanted)))
             table = expression.take(ids, columns=COLUMNS)
             ends = np.cumsum([int((w[:, 1] - w[:, 0]).sum()) for w in wanted]).tolist()
@@ -258,7 +267,9 @@ class Reader:
         if files is not None:  # one read_range per piece on an open file: no per-range open
             # The read threads keep a sparse span's wanted rows as soon as they read each piece
             # (a span's ranges ascend without overlap: `coalesce` starts a new span at a repeat).
-            keep = [ranges[i] if sparse[i] else None for i in which.tolist()]
+            # Range requests read no gap rows at all: each range's byte runs are requested,
+            # those close together coalesced by the store (Tuning.range_gap).
+            keep = [ranges[i] if sparse[i] or ranged else None for i in which.tolist()]
             per_span = files.read(spans[which], COLUMNS, keep)
             return (
                 batches if kept is not None else _cut(batches, ranges[i], int(spans[i, 0]))
