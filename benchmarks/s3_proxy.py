@@ -44,6 +44,7 @@ class S3Proxy:
         self.counts = Counts()
         self._lock = threading.Lock()
         self._faults: list[str] = []  # "503" or "cut", taken by the next GETs with a body
+        self._agent = ""  # ...whose User-Agent holds this
         self._local = threading.local()
         proxy = self
 
@@ -82,13 +83,21 @@ class S3Proxy:
             counts, self.counts = self.counts, Counts()
         return counts
 
-    def fail_next(self, *faults: str) -> None:
-        """Plant faults for the next ranged GETs, in order: ``"503"`` answers ``503 SlowDown``;
-        ``"cut"`` sends the headers and half the body, then closes the connection.
+    def fail_next(self, *faults: str, agent: str = "") -> None:
+        """Plant faults for the next ranged GETs whose User-Agent contains ``agent``, in
+        order: ``"503"`` answers ``503 SlowDown``; ``"cut"`` sends the headers and half the
+        body, then closes the connection. :attr:`faults_left` says how many are not used yet.
         """
         assert all(f in ("503", "cut") for f in faults), faults
         with self._lock:
             self._faults.extend(faults)
+            self._agent = agent
+
+    @property
+    def faults_left(self) -> int:
+        """Planted faults not used yet."""
+        with self._lock:
+            return len(self._faults)
 
     def _connection(self) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
@@ -105,7 +114,8 @@ class S3Proxy:
         with self._lock:
             self.counts.requests[handler.command] = self.counts.requests.get(handler.command, 0) + 1
             self.counts.ranges += ranged
-            fault = self._faults.pop(0) if ranged and self._faults else None
+            agent = self._agent in handler.headers.get("User-Agent", "")
+            fault = self._faults.pop(0) if ranged and agent and self._faults else None
         if fault == "503":
             self._reply_503(handler)
             return

@@ -6,7 +6,8 @@ block sampler's rate there is how many requests a fetch costs and how many are i
 talks to a bucket: it opens files (one ``HEAD`` each, for the size), and :meth:`ObjectStore.fill`
 reads a window's runs of file bytes by as few range GETs as their gaps allow (runs of one
 file whose byte gap is at most :attr:`StoreOptions.gap` are read by one request, the gap
-read through), up to :attr:`StoreOptions.in_flight` requests at once, each retried after a
+read through, so long as the gaps a request reads stay within half the bytes it is made
+for), up to :attr:`StoreOptions.in_flight` requests at once, each retried after a
 transient failure as the loader's :class:`~slafload.config.RetryPolicy` says.
 
 The requests go through ``pyarrow.fs.S3FileSystem`` (public and documented: ``open_input_file``
@@ -146,21 +147,27 @@ class ObjectStore:
 
     def _read(self, runs: list[tuple[int, int, int, np.ndarray, int]]) -> None:
         """Each run ``(blob id, offset, bytes, buffer, buffer offset)`` read into its buffer,
-        runs of one blob within :attr:`StoreOptions.gap` of each other by one request.
+        runs of one blob within :attr:`StoreOptions.gap` of each other by one request, as
+        long as the gaps it reads through stay within half the bytes it is made for (so a
+        read never costs more than 1.5 times the runs' bytes).
         """
         if not runs:
             return
         runs.sort(key=lambda r: (r[0], r[1]))
-        groups: list[list[tuple[int, int, int, np.ndarray, int]]] = [[runs[0]]]
-        end = runs[0][1] + runs[0][2]
-        for run in runs[1:]:
-            last = groups[-1][0]
-            if run[0] == last[0] and run[1] - end <= self.options.gap:
+        groups: list[list[tuple[int, int, int, np.ndarray, int]]] = []
+        end = wanted = waste = 0
+        for run in runs:
+            blob, offset, size = run[:3]
+            hole = max(0, offset - end)
+            if (groups and blob == groups[-1][0][0] and hole <= self.options.gap
+                    and 2 * (waste + hole) <= wanted + size):  # fmt: skip
                 groups[-1].append(run)
-                end = max(end, run[1] + run[2])
+                wanted += max(0, offset + size - max(end, offset))  # overlaps count once
+                waste += hole
+                end = max(end, offset + size)
             else:
                 groups.append([run])
-                end = run[1] + run[2]
+                wanted, waste, end = size, 0, offset + size
         if len(groups) == 1:
             self._read_group(groups[0])
             return

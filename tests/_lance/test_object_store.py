@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from conftest import s3_options, upload
 
-from slafload import Loader, open_dataset, synthetic
+from slafload import Loader, ReadError, RetryPolicy, Tuning, open_dataset, synthetic
+from slafload.pipeline.reader import Reader
 from slafload.samplers import BlockShuffle
 
 pytest.importorskip("boto3")
@@ -17,10 +18,12 @@ pytest.importorskip("moto.server")
 
 @pytest.fixture(scope="module")
 def atlas(tmp_path_factory):
-    """A 1,500-cell atlas in 4 data files (Lance 2.2, as converters write)."""
+    """A 1,500-cell atlas of 1.2M rows in 3 data files (Lance 2.2, as converters write):
+    a 16-cell block is ~12.8k rows, as on a real atlas.
+    """
     path = tmp_path_factory.mktemp("atlas") / "a.slaf"
-    return synthetic.write_atlas(path, n_cells=1500, n_genes=2000, n_plates=3, mean_nnz=40,
-                                 empty_fraction=0.02, seed=5, max_rows_per_file=16_000)  # fmt: skip
+    return synthetic.write_atlas(path, n_cells=1500, n_genes=2000, n_plates=3, mean_nnz=800,
+                                 empty_fraction=0.02, seed=5, max_rows_per_file=400_000)  # fmt: skip
 
 
 @pytest.fixture
@@ -28,6 +31,11 @@ def remote(atlas, s3_endpoint, s3_proxy):
     """The atlas on S3, opened through the counting proxy (the upload bypasses it)."""
     uri = upload(atlas, s3_endpoint, "atlas-bucket", "a.slaf")
     return open_dataset(uri, storage_options=s3_options(s3_proxy.endpoint))
+
+
+def blocks(block_size: int, fetch_factor: int = 8) -> dict[str, BlockShuffle]:
+    return {"sampler": BlockShuffle(block_size=block_size, fetch_factor=fetch_factor,
+                                    batch_size=32)}  # fmt: skip
 
 
 def batches(dataset, **settings) -> list[dict[str, np.ndarray]]:
@@ -58,5 +66,33 @@ def test_a_chunk_shuffle_epoch_from_s3_is_the_local_epoch_and_its_requests_are_c
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_a_block_shuffle_epoch_from_s3_is_the_local_epoch(atlas, remote, block_size):
-    sampler = {"sampler": BlockShuffle(block_size=block_size, fetch_factor=8, batch_size=32)}
-    assert_same(batches(open_dataset(atlas), **sampler), batches(remote, **sampler))
+    reader = Reader(remote).data_files()
+    assert reader is not None and reader.ranged is not None  # range requests by default
+    assert_same(batches(open_dataset(atlas), **blocks(block_size)),
+                batches(remote, **blocks(block_size)))  # fmt: skip
+
+
+def test_block_reads_cost_about_one_request_per_column_and_block(atlas, remote, s3_proxy):
+    """The layout's floor: each block one contiguous row range in three columns. Fetches of
+    4 scattered blocks leave little to coalesce; file opens (HEAD, footer, chunk words) and
+    the first file's check against Lance's read are counted too.
+    """
+    s3_proxy.reset()
+    got = batches(remote, **blocks(16, fetch_factor=2))
+    n_cells = sum(len(b["cell_integer_id"]) for b in got)
+    counts = s3_proxy.reset()
+    floor = 3 * -(-n_cells // 16)
+    assert floor / 2 < counts.total <= 1.5 * floor
+    stored = sum(p.stat().st_size for p in (atlas / "expression.lance" / "data").iterdir())
+    assert counts.bytes <= 1.5 * stored  # an epoch reads each row once
+
+
+def test_failed_requests_are_retried_and_no_cell_is_lost_or_repeated(atlas, remote, s3_proxy):
+    want = batches(open_dataset(atlas), **blocks(16))
+    s3_proxy.fail_next("503", "cut", "503", "cut", agent="aws-sdk-cpp")  # slafload's requests
+    got = batches(remote, **blocks(16))
+    assert s3_proxy.faults_left == 0
+    assert_same(want, got)
+    s3_proxy.fail_next("503", agent="aws-sdk-cpp")  # and with retries off, the failure shows
+    with pytest.raises(ReadError, match="SERVICE_UNAVAILABLE"):
+        batches(remote, tuning=Tuning(retry=RetryPolicy(attempts=1)), **blocks(16))
