@@ -15,9 +15,31 @@ import http.server
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "upgrade"}
+KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+REGION = "us-east-1"
+
+
+def storage_options(endpoint: str) -> dict[str, str]:
+    """Lance storage options for a bucket of moto's server (or a proxy of it) at ``endpoint``."""
+    return {**KEYS, "aws_region": REGION, "aws_endpoint": endpoint, "allow_http": "true"}
+
+
+def upload(directory: Path, endpoint: str, bucket: str, prefix: str) -> str:
+    """Copy the files under ``directory`` to ``s3://bucket/prefix/`` (the bucket created
+    here) on the server at ``endpoint``; returns that URI.
+    """
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name=REGION, **KEYS)
+    s3.create_bucket(Bucket=bucket)
+    for path in sorted(directory.rglob("*")):
+        if path.is_file():
+            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(directory).as_posix()}")
+    return f"s3://{bucket}/{prefix}"
 
 
 @dataclass
@@ -27,6 +49,7 @@ class Counts:
     requests: dict[str, int] = field(default_factory=dict)  # by method
     bytes: int = 0  # response bodies
     ranges: int = 0  # GETs with a Range header
+    dropped: int = 0  # connections that ended in an error (a client gone, a planted cut)
 
     @property
     def total(self) -> int:
@@ -59,7 +82,12 @@ class S3Proxy:
 
             do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(http.server.ThreadingHTTPServer):
+            def handle_error(self, request: object, client_address: object) -> None:
+                with proxy._lock:  # counted, not printed
+                    proxy.counts.dropped += 1
+
+        self._server = Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 

@@ -300,8 +300,8 @@ def run_cells(batches) -> list[tuple[int, int]]:
     ]
 
 
-S3_KEYS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
-S3_REGION = "us-east-1"
+S3 = load_script("benchmarks/s3_proxy.py")  # moto's server behind a counting forwarder
+S3_KEYS, S3_REGION, s3_options, upload = S3.KEYS, S3.REGION, S3.storage_options, S3.upload
 
 
 @pytest.fixture
@@ -319,24 +319,5 @@ def s3_endpoint():
 @pytest.fixture
 def s3_proxy(s3_endpoint):
     """A counting forwarder (``benchmarks/s3_proxy.py``) in front of :func:`s3_endpoint`."""
-    with load_script("benchmarks/s3_proxy.py").S3Proxy(s3_endpoint) as proxy:
+    with S3.S3Proxy(s3_endpoint) as proxy:
         yield proxy
-
-
-def s3_options(endpoint: str) -> dict[str, str]:
-    """Lance storage options for a bucket of moto's server (or a proxy of it) at ``endpoint``."""
-    return {**S3_KEYS, "aws_region": S3_REGION, "aws_endpoint": endpoint, "allow_http": "true"}
-
-
-def upload(directory: Path, endpoint: str, bucket: str, prefix: str) -> str:
-    """Copy the files under ``directory`` to ``s3://bucket/prefix/`` (the bucket created
-    here) on the server at ``endpoint``; returns that URI.
-    """
-    import boto3
-
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name=S3_REGION, **S3_KEYS)
-    s3.create_bucket(Bucket=bucket)
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(directory).as_posix()}")
-    return f"s3://{bucket}/{prefix}"

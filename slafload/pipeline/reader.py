@@ -63,6 +63,8 @@ MAX_READ_AMPLIFICATION = 32  # ...unless that reads more than this many times th
 TAKE_BELOW_ROWS = 512  # spans shorter than this on average are read by row id
 SCAN_FROM_ROWS = 1 << 16  # spans this long are scanned (take_scan is slower per row)
 DIRECT_SCAN_FROM_ROWS = 1 << 20  # ...or this long, when open file readers read local files
+REQUEST_ROWS = 1 << 14  # rows (~40 KB) a range request is worth reading through instead...
+SHORT_RANGE_ROWS = 1 << 12  # ...where a span's ranges are this short on average
 COMPACT_FROM = 8  # spans reading this many times their wanted rows keep only those, at once
 
 
@@ -218,6 +220,12 @@ class Reader:
         # `BlockShuffle(1, 1024)` scans raised its peak RSS from ~1.0 to ~1.4 GB.)
         sparse = (spans[:, 1] - spans[:, 0] >= COMPACT_FROM * (own[last + 1] - own[first])).tolist()
         long = spans[:, 1] - spans[:, 0] >= self._scan_from()
+        files = self.data_files()
+        if files is not None and files.ranged is not None:  # a scan reads the gaps too
+            wanted = own[last + 1] - own[first]
+            gaps = spans[:, 1] - spans[:, 0] - wanted
+            short = wanted < SHORT_RANGE_ROWS * (last + 1 - first)
+            long &= gaps <= np.where(short, 3 * REQUEST_ROWS * (last - first), wanted // 2)
         # A scanner per long span and one Lance call for all short ones, all started before the
         # first batch is handed on; then the wanted rows of each span, in span order.
         scans = {i: started(self._scan(*spans[i].tolist())) for i in np.flatnonzero(long).tolist()}
@@ -231,12 +239,16 @@ class Reader:
         Kept-open file readers on local storage read a span of up to a data file's worth
         faster than a scanner, whose creation runs on the producer: on the 5M-cell atlas,
         ``BlockShuffle(1, 256)`` fetches hold ~840 spans of 64Ki-1Mi rows (docs/sampling.md).
-        So do files read by range requests (``s3://``): a scan would read the gaps between
-        a span's ranges too. ``take_scan`` (no direct path) and other object stores keep
-        :data:`SCAN_FROM_ROWS`.
+        ``take_scan`` (no direct path) and object stores keep :data:`SCAN_FROM_ROWS`; where
+        range requests read the files (``s3://``), a span is scanned only where the gap
+        rows a scan reads too are worth it: at most half its wanted rows (so a block
+        sampler's reads stay within 1.5x the bytes its rows occupy), or, for ranges shorter
+        than :data:`SHORT_RANGE_ROWS` on average (single cells: ChunkShuffle's first fetch,
+        read as its first cells, then the rest), fewer than the requests it saves (about one
+        a column for each range but the first) are worth, at :data:`REQUEST_ROWS` rows each.
         """
         files = self.data_files()
-        if files is not None and (files.ranged is not None or not is_remote(self.dataset.uri)):
+        if files is not None and not is_remote(self.dataset.uri):
             return DIRECT_SCAN_FROM_ROWS
         return SCAN_FROM_ROWS
 
