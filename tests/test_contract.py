@@ -4,9 +4,10 @@ hypothesis draws small SLAF datasets (cells with 0 to a few hundred genes, exact
 and repeated genes, cells deleted with Lance's ``delete``, every value and id dtype a SLAF
 table may hold, several data files, Lance file formats 2.0 and 2.1+) and loader settings
 (tokenizer x layout x ``max_genes`` at every integer-type edge x ``token_dtype`` x kernels x
-where tokens are made x sampler x mixture, cell- or batch-mixed x reader, direct or Lance's x
-ranks x resume x face, the loader or its ``as_torch_dataset()`` pickled as a DataLoader worker
-gets it), streams one epoch through a real :class:`~slafload.Loader`, and checks every
+where tokens are made x sampler x mixture, cell- or batch-mixed x reader, direct or Lance's,
+or range requests to moto's S3 server x ranks x resume x face, the loader or its
+``as_torch_dataset()`` pickled as a DataLoader worker gets it), streams one epoch through a
+real :class:`~slafload.Loader`, and checks every
 batch against ``contract_reference`` (plain Python from the specification, no slafload code):
 tokens, masks, ``cu_seqlens``/``position_ids``, values, obs codes, cell ids and sources, dtypes,
 exactly-once per epoch, equal batches on every rank, and resumed runs equal to uninterrupted ones.
@@ -16,6 +17,7 @@ exactly-once per epoch, equal batches on every rank, and resumed runs equal to u
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import tempfile
@@ -26,14 +28,17 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from conftest import s3_options, upload
 from contract_reference import Atlas, delete_cells, expected_batch, write
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from slafload import Loader, Mixture, Tuning
+from slafload import Loader, Mixture, Tuning, open_dataset
 from slafload.samplers import BlockShuffle, Streaming
 
 EXAMPLES = int(os.environ.get("SLAFLOAD_CONTRACT_EXAMPLES", "25"))
+BUCKETS = itertools.count()  # a bucket per example read from S3
+READERS = ["auto", "auto", "lance", "s3"]
 # Shrinking re-runs a failing case hundreds of times (minutes); the falsifying case is printed
 # whole either way. SLAFLOAD_CONTRACT_SHRINK=1 turns it on.
 PHASES = [p for p in Phase if p != Phase.shrink or os.environ.get("SLAFLOAD_CONTRACT_SHRINK")]
@@ -120,7 +125,8 @@ def cases(draw) -> dict[str, Any]:
         else "chunk",
         "obs": draw(st.booleans()),
         "mix": draw(st.sampled_from(["cell", "batch"])),
-        "reader": draw(st.sampled_from(["auto", "auto", "lance"])),
+        # "s3": the dataset on moto's S3 server, its scattered reads made by range requests
+        "reader": draw(st.sampled_from(READERS if n_sources == 1 else READERS[:-1])),
         "deleted": [
             sorted(draw(st.sets(st.integers(0, len(a.cells) - 1), max_size=3))) for a, _ in sources
         ],
@@ -131,10 +137,12 @@ def cases(draw) -> dict[str, Any]:
         "world_size": draw(st.sampled_from([1, 1, 2])),
         "stop_after": draw(st.integers(0, 6)),
     }
+    if case["reader"] == "s3":  # scattered reads: what range requests read
+        case["sampler"] = "block"
     return case
 
 
-def make_loader(paths: list[Path], case: dict[str, Any], **extra: Any) -> Loader:
+def make_loader(paths: list[Any], case: dict[str, Any], **extra: Any) -> Loader:
     settings = dict(case["settings"])
     options = {"n_bins": case["n_bins"]} if case["tokenizer"] == "scgpt" else {}
     sampler = {
@@ -143,7 +151,8 @@ def make_loader(paths: list[Path], case: dict[str, Any], **extra: Any) -> Loader
         "block": BlockShuffle(block_size=2, fetch_factor=2),
     }[case["sampler"]]
     device = "cpu" if settings["tokenize_on"] == "device" else None
-    source = Mixture([str(p) for p in paths], mix=case["mix"]) if len(paths) > 1 else str(paths[0])
+    source = Mixture([str(p) for p in paths], mix=case["mix"]) if len(paths) > 1 else paths[0]
+    source = str(source) if isinstance(source, Path) else source
     return Loader(
         source,
         tokenizer=case["tokenizer"],
@@ -151,7 +160,7 @@ def make_loader(paths: list[Path], case: dict[str, Any], **extra: Any) -> Loader
         sampler=sampler,
         device=device,
         obs_columns=["plate"] if case["obs"] else (),
-        tuning=Tuning(reader=case["reader"]),
+        tuning=Tuning(reader="auto" if case["reader"] == "s3" else case["reader"]),
         **settings,
         **extra,
     )
@@ -236,12 +245,21 @@ def all_cells(atlas_of: dict[int, Atlas]) -> list[tuple[int, int]]:
     deadline=None,
     derandomize=True,
     phases=PHASES,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.function_scoped_fixture,  # one S3 server for every example
+    ],
 )
 @given(case=cases())
-def test_every_batch_equals_the_reference_on_every_path(case):
+def test_every_batch_equals_the_reference_on_every_path(case, s3_endpoint):
     with tempfile.TemporaryDirectory() as root:
-        paths, atlas_of = write_sources(Path(root), case)
+        written, atlas_of = write_sources(Path(root), case)
+        paths: list[Any] = list(written)
+        if case["reader"] == "s3":
+            bucket = f"contract-{next(BUCKETS)}"
+            uri = upload(written[0], s3_endpoint, bucket, "x.slaf")
+            paths = [open_dataset(uri, storage_options=s3_options(s3_endpoint))]
         n_sources, batch_size = len(paths), case["settings"]["batch_size"]
         ranks = []
         for rank in range(case["world_size"]):
