@@ -51,6 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "tune": _tune,
             "warm-up": _warm_up,
             "verify": _verify,
+            "cache": _cache,
         }
         return commands[args.command](args)
     except _USER_ERRORS as exc:
@@ -169,6 +170,24 @@ def _range(ds: Any) -> str:
 
     recorded = value_range(ds)
     return "not recorded" if recorded is None else f"[{recorded[0]:g}, {recorded[1]:g}]"
+
+
+def _cache(args: argparse.Namespace) -> int:
+    import json
+
+    from slafload.tools.cache import cache
+
+    try:
+        options = json.loads(args.storage_options)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--storage-options is not JSON ({exc})") from exc
+    if not isinstance(options, dict):
+        raise ValueError(f"--storage-options must be a JSON object, got {args.storage_options!r}")
+    report = cache(args.uri, args.path, storage_options=options or None,
+                   progress=not args.no_progress)  # fmt: skip
+    print(f"{args.path}: {report.files} files, {report.copied} copied "
+          f"({report.bytes:,} bytes), {report.skipped} already there")  # fmt: skip
+    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ _EPILOG = """examples:
   slafload tune atlas.slaf --label cell_type --budget-s 60  # pick BlockShuffle's (b, f)
   slafload bench --cells 20000 --no-peers                   # see slafload bench --help
   slafload warm-up                                          # compile kernels (containers)
+  slafload cache s3://bucket/atlas.slaf /nvme/atlas.slaf    # stage a bucket's atlas locally
 """
 
 
@@ -28,6 +29,11 @@ _WARM_UP = """Compile every kernel into numba's on-disk cache (for container bui
 kernels, then the token kernels by short loader runs on tiny synthetic atlases, so the first run
 on this machine does not compile. numba keys the cache by CPU model; NUMBA_CACHE_DIR picks where
 it goes."""
+
+
+_CACHE = """Copy a SLAF dataset from S3 to a local directory, with a progress bar. Run it
+again after an interruption: it continues where it stopped. Credentials come from
+--storage-options or the environment, as for Lance."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_optimize(sub)
     _add_synth(sub)
     _add_tune(sub)
+    _add_cache(sub)
     v = sub.add_parser("verify", help=_VERIFY.split(".")[0].lower(), description=_VERIFY)
     v.add_argument("path", metavar="DATASET", help="SLAF dataset directory")
     v.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -185,6 +192,15 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated integers, got {text!r}"
         ) from None
+
+
+def _add_cache(sub) -> None:
+    c = sub.add_parser("cache", help=_CACHE.split(".")[0].lower(), description=_CACHE)
+    c.add_argument("uri", metavar="URI", help="s3://bucket/atlas.slaf")
+    c.add_argument("path", metavar="PATH", help="local directory to copy into")
+    c.add_argument("--storage-options", default="{}",
+                   help="Lance-style storage options as a JSON object (aws_region...)")  # fmt: skip
+    c.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def _add_tune(sub) -> None:
