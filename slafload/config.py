@@ -136,8 +136,9 @@ class Tuning:
         reader: ``"auto"`` (default) or ``"lance"``. ``"auto"`` reads scattered ranges with
             slafload's direct reader where that is measured faster (``slafload/_lance/``:
             kept-open data files, local files' pages read by ``pread`` and decoded by
-            slafload; on an object store only for Lance 2.0 data files, ``slafload optimize``)
-            and with Lance's ``take_scan`` elsewhere
+            slafload; on ``s3://``, the same pages fetched by range requests; on other object
+            stores only for Lance 2.0 data files, ``slafload optimize``) and with Lance's
+            ``take_scan`` elsewhere
             (:func:`~slafload._lance.data_files.direct_by_default`). ``"lance"`` leaves every
             read to Lance's own reader: set it if the direct reader misbehaves on your tables
             (an error raised from ``slafload/_lance/`` that Lance's own reader does not

@@ -12,9 +12,12 @@ format, whose pages are plain arrays, are opened as :class:`~slafload._lance.fla
 instead (``flat=True``, the default): their ranges are read by ``pread`` without Lance's
 decoder, a window's worth by one kernel call, into reused buffers.
 
-On an object store a range read is a few sequential requests (each column's page metadata,
-then its data: ~5 for the expression table's three columns), each paying the store's latency,
-and a pylance file reader serves one call at a time. So with ``threads > 1`` (the default:
+On an ``s3://`` store the files are read like local flat files, by range requests
+(:mod:`slafload._lance.ranged`: each file's page metadata fetched once, then about one request
+per column and range). Through Lance's file readers (other stores), a range read is a few
+sequential requests (each column's page metadata, then its data: ~5 for the expression
+table's three columns), each paying the store's latency, and a pylance file reader serves one
+call at a time. So with ``threads > 1`` (the default:
 :data:`REMOTE_THREADS` for ``s3://``-style URIs, :data:`LOCAL_THREADS` for local files, where
 each range still pays a fixed ~0.2 ms of Lance's scheduling, whatever its size) the pieces of
 a fetch are read by one task per thread, each data file's pieces in one task; with one, by one
