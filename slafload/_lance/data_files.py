@@ -210,6 +210,15 @@ class DataFiles(OpenFiles):
             stored = direct._new_reader(0, None).metadata().schema
         except Exception as exc:  # an unreadable file is the scan's to report, not ours
             return f"its first data file cannot be opened ({type(exc).__name__}: {exc})"
+        if direct.ranged is not None:  # storage options Lance reads and pyarrow's S3 may not
+            try:
+                direct.ranged.open(direct.paths[0])
+            except Exception as exc:
+                return (
+                    f"its first data file cannot be read by range requests through pyarrow's "
+                    f"S3 client ({type(exc).__name__}: {exc}); check the storage options "
+                    "(slafload/_lance/object_store.py's s3_filesystem says which it reads)"
+                )
         names = stored_names(expression, found.fields, stored, columns)
         if isinstance(names, str):
             return names

@@ -63,10 +63,11 @@ def supported(uri: str) -> bool:
 def s3_filesystem(storage_options: Mapping[str, str] | None, *, retries: int = 3) -> Any:
     """A ``pyarrow.fs.S3FileSystem`` configured from Lance-style storage options
     (``aws_access_key_id``, ``aws_secret_access_key``, ``aws_session_token``, ``aws_region``,
-    ``aws_endpoint``; credentials not given are taken from the environment as the AWS SDK
-    does). ``retries``: attempts of each request by the SDK itself.
+    ``aws_endpoint``, ``aws_skip_signature``; credentials not given are taken from the
+    environment as the AWS SDK does). ``retries``: attempts of each request by the SDK itself.
     """
     opts = dict(storage_options or {})
+    anonymous = str(opts.get("aws_skip_signature", "")).lower() == "true"
     endpoint = opts.get("aws_endpoint") or opts.get("endpoint")
     scheme = "https"
     if endpoint and "://" in endpoint:
@@ -78,6 +79,7 @@ def s3_filesystem(storage_options: Mapping[str, str] | None, *, retries: int = 3
         region=opts.get("aws_region") or opts.get("region"),
         endpoint_override=endpoint,
         scheme=scheme,
+        anonymous=anonymous,
         retry_strategy=pafs.AwsStandardS3RetryStrategy(max_attempts=retries),
     )
 
