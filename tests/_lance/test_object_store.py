@@ -64,12 +64,15 @@ def test_a_chunk_shuffle_epoch_from_s3_is_the_local_epoch_and_its_requests_are_c
     assert read.requests.get("GET", 0) > 0 and read.bytes > 0
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_a_block_shuffle_epoch_from_s3_is_the_local_epoch(atlas, remote, block_size):
+@pytest.mark.parametrize("block_size, threads", [(4, None), (16, 1)])
+def test_a_block_shuffle_epoch_from_s3_is_the_local_epoch(atlas, remote, block_size, threads):
     reader = Reader(remote).data_files()
     assert reader is not None and reader.ranged is not None  # range requests by default
-    assert_same(batches(open_dataset(atlas), **blocks(block_size)),
-                batches(remote, **blocks(block_size)))  # fmt: skip
+    tuning = Tuning(read_threads=threads)  # one thread: a window opens every file at once
+    assert_same(
+        batches(open_dataset(atlas), **blocks(block_size)),
+        batches(remote, tuning=tuning, **blocks(block_size)),
+    )
 
 
 def test_block_reads_cost_about_one_request_per_column_and_block(atlas, remote, s3_proxy):
