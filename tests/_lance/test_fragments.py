@@ -288,6 +288,16 @@ def test_a_version_mismatch_while_reading_is_named_so_on_every_path(tmp_path, nu
         ),
         (OSError("Not supported: miniblock encoding with 7 buffers"), {"cells": {(2, 0)}}, None),
         (OSError("No such file or directory (os error 2)"), {"cells": {(2, 2)}}, None),
+        (  # pylance 0.35 reading a 2.2 table written by 14.0.2: a panic in one of its tasks
+            pa.ArrowInvalid("External error: RuntimeError: Task was aborted"),
+            {"cells": {(2, 2)}},
+            "cells.lance: Lance 2.2",
+        ),
+        (
+            pa.ArrowInvalid("External error: RuntimeError: Task was aborted"),
+            {"cells": {(2, 1)}},
+            None,
+        ),  # fmt: skip
     ],
 )
 def test_version_skew_is_told_from_pylance_errors(error, formats, named):
