@@ -81,7 +81,7 @@ def field_ids(dataset: lance.LanceDataset) -> dict[str, int] | None:
 
 
 _UNKNOWN_FORMAT = re.compile(r"Unknown Lance storage version: ([0-9]+\.[0-9]+)")
-_DECODE_WORDS = ("not supported", "unsupported", "encoding", "decod")
+_DECODE_WORDS = ("not supported", "unsupported", "encoding", "decod", "miniblock", "grammar")
 _ABORTED = "runtimeerror: task was aborted"
 UNSTABLE_FROM = (2, 2)  # formats some admitted pylance releases wrote while still unstable
 

@@ -294,6 +294,11 @@ def test_a_version_mismatch_while_reading_is_named_so_on_every_path(tmp_path, nu
             "cells.lance: Lance 2.2",
         ),
         (pa.ArrowInvalid("RuntimeError: Task was aborted"), {"cells": {(2, 1)}}, None),
+        (  # pylance 14.0.2 reading a 2.2 table written by 0.35 or 1.0
+            OSError("Invalid user input: Lance v2.2 miniblock pages require the u32 chunk grammar"),
+            {"expression": {(2, 2)}},
+            "expression.lance: Lance 2.2",
+        ),
     ],
 )
 def test_version_skew_is_told_from_pylance_errors(error, formats, named):
