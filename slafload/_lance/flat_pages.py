@@ -249,8 +249,9 @@ def _column(kind: pa.DataType, pages: Sequence[Page], num_rows: int) -> _Column 
     up to the file's.
     """
     dtype = _dtype(kind)
+    bits = {encoding: flat_bits(encoding) for encoding in {page.encoding for page in pages}}
     if any(len(page.sizes) != 1 or page.sizes[0] != page.rows * dtype.itemsize
-           or flat_bits(page.encoding) != 8 * dtype.itemsize for page in pages):  # fmt: skip
+           or bits[page.encoding] != 8 * dtype.itemsize for page in pages):  # fmt: skip
         return None
     rows = tuple(itertools.accumulate((page.rows for page in pages), initial=0))
     if rows[-1] != num_rows:

@@ -140,7 +140,11 @@ def layout(encoding: bytes, width: int) -> tuple[Layout, int] | None:
     ``Encoding`` message (as the file holds it) is ``encoding``; ``None`` for any other page
     (a constant page too: :func:`page` reads those).
     """
-    found = encodings.page_layout(encoding)
+    return _layout(encodings.page_layout(encoding), width)
+
+
+def _layout(found: encodings.MiniBlock | encodings.Constant | None,
+            width: int) -> tuple[Layout, int] | None:  # fmt: skip
     if not isinstance(found, encodings.MiniBlock) or found.bits != 8 * width:
         return None
     kind = _KINDS[found.compression]
@@ -155,13 +159,13 @@ def page(fd: int, encoding: bytes, buffers: list[tuple[int, int]], width: int,
     ``Encoding`` message is ``encoding``, with ``buffers`` ``(position, size)``, in the file
     open as ``fd`` (its chunk words read now); ``None`` for any other page.
     """
-    constant = encodings.page_layout(encoding)
-    if isinstance(constant, encodings.Constant):
-        if len(constant.value) != width or buffers:
+    decoded = encodings.page_layout(encoding)
+    if isinstance(decoded, encodings.Constant):
+        if len(decoded.value) != width or buffers:
             return None
-        bits = int.from_bytes(constant.value, "little", signed=width == 8)  # an int64 job field
+        bits = int.from_bytes(decoded.value, "little", signed=width == 8)  # an int64 job field
         return MiniPage(CONSTANT, rows, constant=bits)
-    found = layout(encoding, width)
+    found = _layout(decoded, width)
     if found is None or found[1] != rows:
         return None
     return load(fd, found[0], buffers, rows)
