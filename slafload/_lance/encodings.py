@@ -147,8 +147,11 @@ class _Message:
             if wire == VARINT and isinstance(value, int):
                 out.append(value)
                 continue
+            if not isinstance(value, bytes):  # a fixed-width value: not an enum
+                self.bad = True
+                return []
             at = 0
-            while isinstance(value, bytes) and at < len(value):
+            while at < len(value):
                 item, at = _varint(value, at)
                 if at < 0:
                     self.bad = True

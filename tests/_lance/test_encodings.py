@@ -189,6 +189,7 @@ def test_each_recognised_layout_from_its_fields():
         mini_block(flat21(32), extra=field(8, 1)),  # a repetition index
         mini_block(flat21(32), layers=b"\x03"),  # nullable items
         mini_block(flat21(32), layers=b"\x01\x01"),  # two layers
+        mini_block(flat21(32), extra=varint(6 << 3 | 5) + bytes(4)),  # a layer as a fixed32
         mini_block(flat21(32), extra=field(10, 2)),  # not a bool
         mini_block(field(FLAT, field(1, 32) + field(2, field(1, 2)))),  # zstd-compressed flat
         mini_block(field(BITPACK, field(1, 16) + field(2, b""))),  # compressed bit-packing
