@@ -16,7 +16,14 @@ import pytest
 import test_fragments
 from conftest import random_counts, write_dense
 from test_encodings import LATE_WRITER
-from test_fragments import lance_rows, paths, read_all
+from test_fragments import (
+    assert_every_path_reads_as_lance,
+    delete_rows,
+    lance_rows,
+    paths,
+    read_all,
+    slaf_with_other,
+)
 
 from slafload import open_dataset
 from slafload._lance.encodings import Constant, page_layout
@@ -120,3 +127,45 @@ def test_a_table_written_each_way_reads_as_lance_reads_it_on_every_path(
             theirs = want.column(column).to_numpy()
             assert np.array_equal(got.column(column).to_numpy(), theirs), (name, column)
             assert got.column(column).type == want.column(column).type, (name, column)
+
+
+def compact(path) -> None:
+    lance.dataset(str(path / "expression.lance")).optimize.compact_files(
+        target_rows_per_fragment=2_000
+    )
+
+
+REWRITES = {  # a table's data files rewritten by Lance after writing
+    "compacted": compact,
+    "deleted, then compacted": lambda path: (delete_rows(path, "other % 11 = 0"), compact(path)),
+}
+
+
+@pytest.mark.parametrize("version", ["2.0", "2.2"])
+@pytest.mark.parametrize("rewrite", sorted(REWRITES))
+def test_a_rewritten_table_reads_as_lance_reads_it_on_every_path(
+    tmp_path, numba_kernels, version, rewrite
+):
+    path = slaf_with_other(tmp_path, version)
+    uri = str(path / "expression.lance")
+    before = len(lance.dataset(uri).get_fragments())
+    REWRITES[rewrite](path)
+    fragments = lance.dataset(uri).get_fragments()
+    assert len(fragments) < before  # merged, the deleted rows left out of the new files
+    assert all(f.metadata.deletion_file is None for f in fragments)
+    assert_every_path_reads_as_lance(path, numba_kernels, version, warns=False)
+
+
+@pytest.mark.parametrize("version", ["2.0", "2.2"])
+def test_a_pinned_version_reads_its_own_rows_after_later_deletes_and_compaction(
+    tmp_path, numba_kernels, version
+):
+    path = slaf_with_other(tmp_path, version)
+    uri = str(path / "expression.lance")
+    pinned = lance.dataset(uri).version
+    lance.dataset(uri).delete("other % 7 = 0")  # later versions: deletion files, new files
+    compact(path)
+    lance.dataset(uri).delete("cell_integer_id = 3")
+    assert lance.dataset(uri).version > pinned + 2
+    assert lance.dataset(uri, version=pinned).count_rows() > lance.dataset(uri).count_rows()
+    assert_every_path_reads_as_lance(path, numba_kernels, version, warns=False, pin=pinned)

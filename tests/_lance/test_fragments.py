@@ -103,8 +103,10 @@ def lance_rows(dataset, plan) -> pa.Table:
     return pa.concat_tables(parts)
 
 
-def assert_every_path_reads_as_lance(path, numba_kernels, version: str, *, warns: bool) -> None:
-    dataset = open_dataset(path)
+def assert_every_path_reads_as_lance(
+    path, numba_kernels, version: str, *, warns: bool, pin: int | None = None
+) -> None:
+    dataset = open_dataset(path, version=pin)
     plan = list(
         BlockShuffle(block_size=3, fetch_factor=4, batch_size=8).plan(N_CELLS, seed=2, epoch=0)
     )
