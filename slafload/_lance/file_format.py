@@ -44,9 +44,10 @@ GIVE_UP = 16  # files tried flat, none readable so, before a table is left to La
 
 @dataclass(frozen=True)
 class FileFormat:
-    """What the data files of one table read flat share, learned from one file whose pages
-    Lance's own metadata describes (:meth:`learn`): the schema and column encodings as
-    written, and each column's page encodings: byte for byte in 2.0 (flat pages), and in
+    """What the data files of one table read flat share, learned from one file whose footer
+    lists the pages Lance's own metadata lists (:meth:`learn`): the schema and column
+    encodings as written, and each column's page encodings (the messages
+    :mod:`slafload._lance.encodings` recognised): byte for byte in 2.0 (flat pages), and in
     2.1+ the mini-block layouts, byte for byte but for the page's row count. :meth:`open`
     opens another file by parsing its footer alone, where it matches.
     """
