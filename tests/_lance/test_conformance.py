@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 import test_fragments
 from conftest import random_counts, write_dense
-from test_encodings import LATE_WRITER
+from test_encodings import CONSTANT_PAGES, LARGE_CHUNKS
 from test_fragments import (
     assert_every_path_reads_as_lance,
     delete_rows,
@@ -55,7 +55,7 @@ WAYS = {  # name: format, (cell, gene, value) types, value's field metadata, rea
     "2.1 zstd": ("2.1", FLOATS, ZSTD, False),  # General(zstd) chunks: Lance decodes
     "2.2 counts": ("2.2", COUNTS, None, True),
     "2.2 floats": ("2.2", FLOATS, None, True),
-    "2.2 wide": ("2.2", WIDE, None, not LATE_WRITER),  # later, 8-byte values are dictionaries
+    "2.2 wide": ("2.2", WIDE, None, not LARGE_CHUNKS),  # then 8-byte values are dictionaries
     "2.2 dictionary": ("2.2", COUNTS, {"lance-encoding:dict-divisor": "1"}, True),
     "2.2 zstd": ("2.2", FLOATS, ZSTD, False),
     "2.2 lz4": ("2.2", FLOATS, {"lance-encoding:compression": "lz4"}, False),
@@ -106,7 +106,7 @@ def test_a_table_written_each_way_reads_as_lance_reads_it_on_every_path(
     plan = list(
         BlockShuffle(block_size=2, fetch_factor=4, batch_size=8).plan(N_CELLS, seed=4, epoch=0)
     )
-    if version == "2.2" and hint is None and LATE_WRITER:
+    if version == "2.2" and hint is None and CONSTANT_PAGES:
         assert Constant in value_layouts(path), way  # the equal stretch: a constant page
     want = lance_rows(dataset, plan)
     for name, options in paths(numba_kernels).items():

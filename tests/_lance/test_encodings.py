@@ -23,10 +23,13 @@ from slafload.kernels import Kernels, numba_available, prepare_reads
 from slafload.pipeline.reader import COLUMNS
 
 FLAT, BITPACK, RLE = encodings.FLAT, encodings.INLINE_BITPACKING, encodings.RLE
-# What the installed pylance writes, as seen with 0.35.0, 1.0.4, 4.0.2 and 14.0.2: from 4.0 on,
-# 2.2 pages have u32 chunk words (has_large_chunk) and constant pages, and 2.1+ plain values
-# (8-byte ones too) are flat; before, they are bit-packed.
-LATE_WRITER = int(lance.__version__.split(".")[0]) >= 4
+# What the installed pylance writes, as seen with 0.35.0, 1.0.4, 2.0.1, 3.0.2, 4.0.2, 9.0.1 and
+# 14.0.2: from 2.0 on, 2.2 pages have u32 chunk words (has_large_chunk) and 2.1+ plain values
+# (8-byte ones too) are flat, where earlier releases bit-pack them; from 3.0 on, a 2.2 page of
+# one value is a constant page.
+MAJOR = int(lance.__version__.split(".")[0])
+LARGE_CHUNKS = MAJOR >= 2
+CONSTANT_PAGES = MAJOR >= 3
 
 
 def varint(value: int) -> bytes:
@@ -138,10 +141,10 @@ def test_2_1_pages_are_recognised_as_pylance_describes_them(written, version):
                 and f"num_buffers: {layout.n_buffers}," in text
             )
             assert layout.large == ("has_large_chunk: true" in text)
-            assert layout.large == (version == "2.2" and LATE_WRITER)  # u32 chunk words
+            assert layout.large == (version == "2.2" and LARGE_CHUNKS)
             seen.add(layout.compression)
-    assert {BITPACK, RLE} <= seen and (FLAT in seen or not LATE_WRITER), seen
-    assert ("constant" in seen) == (version == "2.2" and LATE_WRITER), seen
+    assert {BITPACK, RLE} <= seen and (FLAT in seen or not LARGE_CHUNKS), seen
+    assert ("constant" in seen) == (version == "2.2" and CONSTANT_PAGES), seen
 
 
 def test_the_real_messages_round_trip_and_every_truncation_is_declined_not_raised(written):
