@@ -81,7 +81,8 @@ def field_ids(dataset: lance.LanceDataset) -> dict[str, int] | None:
 
 
 _UNKNOWN_FORMAT = re.compile(r"Unknown Lance storage version: ([0-9]+\.[0-9]+)")
-_DECODE_WORDS = ("not supported", "unsupported", "encoding", "decod")
+_DECODE_WORDS = ("not supported", "unsupported", "encoding", "decod", "miniblock", "grammar")
+_ABORTED = "runtimeerror: task was aborted"
 UNSTABLE_FROM = (2, 2)  # formats some admitted pylance releases wrote while still unstable
 
 
@@ -93,7 +94,8 @@ def version_skew(exc: BaseException, formats: Mapping[str, set[tuple[int, int]]]
     A format the installed pylance does not know is named in its error; a format it knows
     but whose encodings changed between releases (2.2 and later were unstable in older
     pylance: a 2.2 file written by one release may not decode, or may panic, in another)
-    fails with a decoding error or a panic on a table holding such files.
+    fails with a decoding error or a panic on a table holding such files (in pylance 0.35,
+    a panic in one of Lance's tasks surfaces as ``RuntimeError: Task was aborted``).
     """
     text = f"{type(exc).__name__}: {exc}"
     installed = f"the installed pylance {lance.__version__}"
@@ -103,7 +105,8 @@ def version_skew(exc: BaseException, formats: Mapping[str, set[tuple[int, int]]]
             f"its data files are in Lance file format {unknown.group(1)}, which {installed} "
             "does not read"
         )
-    panic = type(exc).__name__ == "PanicException"
+    # a panic in one of Lance's tasks reaches older pylance releases as an aborted task
+    panic = type(exc).__name__ == "PanicException" or _ABORTED in text.lower()
     if not panic and not any(word in text.lower() for word in _DECODE_WORDS):
         return None
     late = sorted(f"{name}.lance: Lance {v[0]}.{v[1]}" for name, found in formats.items()

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from slafload._lance import miniblock
+from slafload._lance.encodings import flat_bits
 from slafload._lance.flat_pages import (
     V2_0,
     V2_1,
@@ -30,7 +31,7 @@ from slafload._lance.flat_pages import (
     _dtype,
     _fixed,
     _open_fd,
-    flat_bits,
+    listed_pages,
 )
 from slafload._lance.footers import Footer, open_footers, read_footer
 from slafload.kernels import NUMPY, Kernels
@@ -43,9 +44,10 @@ GIVE_UP = 16  # files tried flat, none readable so, before a table is left to La
 
 @dataclass(frozen=True)
 class FileFormat:
-    """What the data files of one table read flat share, learned from one file whose pages
-    Lance's own metadata describes (:meth:`learn`): the schema and column encodings as
-    written, and each column's page encodings: byte for byte in 2.0 (flat pages), and in
+    """What the data files of one table read flat share, learned from one file whose footer
+    lists the pages Lance's own metadata lists (:meth:`learn`): the schema and column
+    encodings as written, and each column's page encodings (the messages
+    :mod:`slafload._lance.encodings` recognised): byte for byte in 2.0 (flat pages), and in
     2.1+ the mini-block layouts, byte for byte but for the page's row count. :meth:`open`
     opens another file by parsing its footer alone, where it matches.
     """
@@ -70,40 +72,37 @@ class FileFormat:
 
     @classmethod
     def learn(cls, footer: Footer, meta) -> FileFormat | None:
-        """The format of the file whose footer (parsed here) is ``footer`` and whose Lance
-        metadata is ``meta``, or ``None`` unless the footer lists exactly the pages
-        (buffers, rows) that ``meta`` lists, and Lance describes every page as flat (2.0) or
-        pages of the 2.1+ file as mini-block pages :mod:`slafload._lance.miniblock` decodes (those
-        are learned).
+        """The format of the file whose walked footer is ``footer`` and whose Lance metadata
+        is ``meta``, or ``None`` unless the footer lists exactly the pages (buffers, rows)
+        that ``meta`` lists and, in 2.0, every page's encoding message is flat values
+        (:func:`slafload._lance.encodings.flat_bits`). The 2.1+ file's mini-block pages
+        :mod:`slafload._lance.miniblock` decodes are learned by layout key.
         """
         mini = footer.version in V2_1
-        if (footer.version not in V2_0 and not mini) or footer.num_rows != meta.num_rows:
+        if footer.version not in V2_0 and not mini:
             return None
-        columns = footer.columns()
-        if len(columns) != len(meta.columns) or len(meta.columns) != len(meta.schema):
+        listed = listed_pages(footer, meta)
+        if listed is None or len(meta.columns) != len(meta.schema):
             return None
         encodings, layouts = [], []
-        for arrow_field, (_, pages), theirs in zip(meta.schema, columns, meta.columns, strict=True):
-            if not _fixed(arrow_field.type) or len(pages) != len(theirs.pages):
+        for arrow_field, pages in zip(meta.schema, listed, strict=True):
+            if not _fixed(arrow_field.type):
                 return None
             width = _dtype(arrow_field.type).itemsize
             learned: dict[tuple, miniblock.Layout] = {}
-            for page, their in zip(pages, theirs.pages, strict=True):
-                listed = [(b.position, b.size) for b in their.buffers]
-                if list(zip(page.positions, page.sizes, strict=True)) != listed:
-                    return None
+            for page in pages:
                 if mini:
-                    found = miniblock.layout(their.encoding, width)
-                    key = page.key
-                    if found is not None and key is not None and found[1] == page.rows:
-                        learned[key] = found[0]
-                elif flat_bits(their.encoding) != 8 * width or page.sizes != [page.rows * width]:
+                    found = miniblock.layout(page.encoding, width)
+                    if found is not None and page.key is not None and found[1] == page.rows:
+                        learned[page.key] = found[0]
+                elif flat_bits(page.encoding) != 8 * width or page.sizes != [page.rows * width]:
                     return None
             encodings.append(frozenset(() if mini else (page.encoding for page in pages)))
             layouts.append(learned)
         return cls(
-            meta.schema, footer.version, footer.schema, tuple(e for e, _ in columns),
-            tuple(encodings), tuple(layouts) if mini else (),
+            meta.schema, footer.version, footer.schema,
+            tuple(footer.column(i)[0] for i in range(footer.n_columns)), tuple(encodings),
+            tuple(layouts) if mini else (),
         )  # fmt: skip
 
     def open(self, path: str, columns: Sequence[str], kernels: Kernels = NUMPY) -> FlatFile | None:

@@ -41,7 +41,6 @@ import bisect
 import itertools
 import logging
 import os
-import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -50,8 +49,9 @@ import pyarrow as pa
 from lance.file import LanceFileReader
 
 from slafload._lance import miniblock
+from slafload._lance.encodings import flat_bits
 from slafload._lance.flat_reads import FlatRange, read_ranges
-from slafload._lance.footers import Footer, read_footer
+from slafload._lance.footers import Footer, Page, read_footer
 from slafload.kernels import NUMPY, Kernels
 
 logger = logging.getLogger(__name__)
@@ -60,31 +60,6 @@ V2_0 = {(0, 3), (2, 0)}  # the 2.0 format's (major, minor) in file metadata (0.3
 V2_1 = {(2, 1), (2, 2)}  # formats whose pages are mini-block pages (slafload._lance.miniblock)
 CHECK_ROWS = 16  # rows compared with Lance's own read at each end of a file when it is opened
 CHECK_MINI_ROWS = 1 << 14  # ...at the start of a 2.1+ file (several chunks of every kind)
-
-_FLAT = (
-    r"Flat\{bits_per_value:(\d+),"
-    r"buffer:Some\(Buffer\{buffer_index:0,buffer_type:Page\}\),compression:None\}"
-)
-_ENCODINGS = [  # a 2.0 page of values with no nulls, as pylance prints its encoding
-    re.compile(rf"ArrayEncoding\{{array_encoding:Some\(Flat\({_FLAT}\)\)\}}"),
-    re.compile(
-        r"ArrayEncoding\{array_encoding:Some\(Nullable\(Nullable\{nullability:Some\(NoNulls\("
-        rf"NoNull\{{values:Some\(ArrayEncoding\{{array_encoding:Some\(Flat\({_FLAT}\)\)\}}\)\}}"
-        r"\)\)\}\)\)\}"
-    ),
-]
-
-
-def flat_bits(encoding: str) -> int | None:
-    """Bits per value of a page whose ``encoding`` (pylance's text of it) is a flat,
-    uncompressed buffer of values with no nulls; ``None`` for any other encoding.
-    """
-    text = miniblock.squeezed(encoding)
-    for pattern in _ENCODINGS:
-        match = pattern.fullmatch(text)
-        if match:
-            return int(match.group(1))
-    return None
 
 
 class _Column(NamedTuple):
@@ -154,8 +129,8 @@ class FlatFile:
         cls, path: str, columns: Sequence[str], *, check: bool | tuple[bool, bool],
         mini: bool = True, kernels: Kernels = NUMPY,
     ) -> tuple[FlatFile | None, Footer | None, Any]:  # fmt: skip
-        """:meth:`open`, and where the file is read flat, its footer (parsed here; ``None``
-        if it could not be) and Lance's metadata of it, which
+        """:meth:`open`, and where the file is read flat, its footer (walked here: its pages'
+        encoding messages say how each is read) and Lance's metadata of it, which
         :meth:`slafload._lance.file_format.FileFormat.learn` learns the table's format from.
         ``mini``: 2.1+ files' mini-block pages are decoded here too
         (:mod:`slafload._lance.miniblock`). ``check``: for a 2.0 and a 2.1+ file, as a pair;
@@ -174,18 +149,10 @@ class FlatFile:
             if version not in V2_0 and not (mini and version in V2_1):
                 return None, None, None
             if len(meta.columns) != len(stored) or not all(_fixed(f.type) for f in stored):
-                return (
-                    None,
-                    None,
-                    None,
-                )  # one column per field only when each field is a flat primitive
+                return None, None, None  # one column per field: each field a flat primitive
             fd = _open_fd(path)
             flat = cls(path, pa.schema([]), [], fd)  # owns fd from here on
-            try:
-                footer: Footer | None = read_footer(fd)
-            except ValueError as exc:  # a 2.0 file still reads flat; no format is learned
-                logger.debug("no footer parsed from %s: %r", path, exc)
-                footer = None
+            footer = _footer(fd, path)
             picked = meta_columns(fd, meta, footer, columns)
             if picked is None:
                 flat.close()
@@ -263,26 +230,25 @@ class FlatFile:
 def meta_columns(
     fd: int | miniblock.ReadAt, meta: Any, footer: Footer | None, columns: Sequence[str]
 ) -> list[_Column] | None:
-    """The pages of ``columns`` of the data file open as ``fd`` (or read by it), from
-    Lance's metadata of it, ``meta`` (a 2.1+ file's page rows from its walked ``footer``);
-    ``None`` unless every page is one the flat reads decode.
+    """The pages of ``columns`` of the data file open as ``fd`` (or read by it), as its walked
+    ``footer`` lists them (their encoding messages as written), where they are exactly the
+    pages Lance's metadata ``meta`` of the file lists; ``None`` unless every page is one the
+    flat reads decode.
     """
     version = (getattr(meta, "major_version", None), getattr(meta, "minor_version", None))
-    rows = None  # 2.1+: each page's rows, which only the footer has
-    if version not in V2_0:
-        if footer is None:
-            return None
-        rows = [[p.rows for p in c] for _, c in footer.columns()]
+    listed = listed_pages(footer, meta)
+    if listed is None:
+        return None
     stored, picked = meta.schema, []
     for name in columns:
         index = stored.get_field_index(name)
         if index < 0:
             return None
-        kind, pages = stored.field(index).type, meta.columns[index].pages
+        kind = stored.field(index).type
         column = (
-            _column(kind, pages, meta.num_rows)
-            if rows is None
-            else _mini_column(fd, kind, pages, rows[index], meta.num_rows)
+            _column(kind, listed[index], meta.num_rows)
+            if version in V2_0
+            else _mini_column(fd, kind, listed[index], meta.num_rows)
         )
         if column is None:
             return None
@@ -299,47 +265,73 @@ def _dtype(kind: pa.DataType) -> np.dtype:
     return np.dtype(kind.to_pandas_dtype()).newbyteorder("<")
 
 
-def _column(kind: pa.DataType, pages: Sequence, num_rows: int) -> _Column | None:
-    """A column's page table, or ``None`` unless every page is flat values of ``kind``'s
-    width and the pages' values add up to the file's rows.
+def _column(kind: pa.DataType, pages: Sequence[Page], num_rows: int) -> _Column | None:
+    """A 2.0 column's page table, or ``None`` unless every page is one buffer of its rows'
+    values, flat at ``kind``'s width (its encoding message says so), and the pages' rows add
+    up to the file's.
     """
     dtype = _dtype(kind)
-    positions, counts = [], []
-    for page in pages:
-        if len(page.buffers) != 1 or flat_bits(page.encoding) != 8 * dtype.itemsize:
-            return None
-        (buffer,) = page.buffers
-        if buffer.size % dtype.itemsize:
-            return None
-        positions.append(buffer.position)
-        counts.append(buffer.size // dtype.itemsize)
-    if sum(counts) != num_rows:
+    bits = {encoding: flat_bits(encoding) for encoding in {page.encoding for page in pages}}
+    if any(len(page.sizes) != 1 or page.sizes[0] != page.rows * dtype.itemsize
+           or bits[page.encoding] != 8 * dtype.itemsize for page in pages):  # fmt: skip
         return None
-    return _Column(dtype, tuple(itertools.accumulate(counts, initial=0)), tuple(positions))
+    rows = tuple(itertools.accumulate((page.rows for page in pages), initial=0))
+    if rows[-1] != num_rows:
+        return None
+    return _Column(dtype, rows, tuple(page.positions[0] for page in pages))
+
+
+def _footer(fd: int, path: str) -> Footer | None:
+    """The walked footer of the file open as ``fd`` (at ``path``); ``None`` if it is not
+    one the walk reads.
+    """
+    try:
+        return read_footer(fd)
+    except ValueError as exc:
+        logger.debug("no footer parsed from %s: %r", path, exc)
+        return None
+
+
+def listed_pages(footer: Footer | None, meta: Any) -> list[list[Page]] | None:
+    """Each column's pages as ``footer`` lists them (their encoding messages as written),
+    where they are exactly the pages (rows, buffers) that Lance's metadata ``meta`` of the
+    same file lists; ``None`` otherwise (no footer, or one the walk read otherwise than Lance).
+    """
+    if footer is None or footer.num_rows != meta.num_rows:
+        return None
+    columns = footer.columns()
+    if len(columns) != len(meta.columns):
+        return None
+    out = []
+    for (_, pages), theirs in zip(columns, meta.columns, strict=True):
+        if len(pages) != len(theirs.pages):
+            return None
+        for page, their in zip(pages, theirs.pages, strict=True):
+            listed = [(b.position, b.size) for b in their.buffers]
+            if list(zip(page.positions, page.sizes, strict=True)) != listed:
+                return None
+        out.append(pages)
+    return out
 
 
 def _open_fd(path: str) -> int:
     return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
 
 
-def _mini_column(
-    fd: int | miniblock.ReadAt,
-    kind: pa.DataType,
-    pages: Sequence,
-    rows: Sequence[int],
-    num_rows: int,
-) -> _Column | None:
+def _mini_column(fd: int | miniblock.ReadAt, kind: pa.DataType, pages: Sequence[Page],
+                 num_rows: int) -> _Column | None:  # fmt: skip
     """A 2.1+ column's pages (each read by :mod:`slafload._lance.miniblock`), or ``None`` unless
     every page is one it decodes and the pages' rows add up to the file's.
     """
     dtype = _dtype(kind)
-    if len(rows) != len(pages) or sum(rows) != num_rows:
+    rows = tuple(itertools.accumulate((page.rows for page in pages), initial=0))
+    if rows[-1] != num_rows:
         return None
     mini = []
-    for page, n in zip(pages, rows, strict=True):
-        buffers = [(b.position, b.size) for b in page.buffers]
-        decoded = miniblock.page(fd, page.encoding, buffers, dtype.itemsize, n)
+    for page in pages:
+        buffers = list(zip(page.positions, page.sizes, strict=True))
+        decoded = miniblock.page(fd, page.encoding, buffers, dtype.itemsize, page.rows)
         if decoded is None:
             return None
         mini.append(decoded)
-    return _Column(dtype, tuple(itertools.accumulate(rows, initial=0)), (), tuple(mini))
+    return _Column(dtype, rows, (), tuple(mini))

@@ -18,8 +18,9 @@ Chunk words are ``u16`` in 2.1 and ``u32`` in 2.2 (``has_large_chunk``): the low
 log2 of the chunk's value count (0 for the last chunk, which holds the rest), the others
 ``bytes / 8 - 1``. A chunk starts with a ``u16`` level count (0 here), then the byte size of
 each of its value buffers (``u16`` in 2.1, ``u32`` in 2.2), padded to 8 bytes; each buffer is
-padded to 8 bytes. Every page is matched against pylance's text of its encoding, whole, and
-its chunk table must add up to the page's rows and bytes, or the file stays with Lance
+padded to 8 bytes. Every page's encoding message is recognised field by field
+(:mod:`slafload._lance.encodings`), and its chunk table must add up to the page's rows and
+bytes, or the file stays with Lance
 (:meth:`slafload._lance.flat_pages.FlatFile.open`, which also compares the first file's rows with
 Lance's read of them). The decode runs as one numba kernel per window of ranges
 (``decode_chunks`` in :mod:`slafload._lance.read_kernels`); :func:`decode_chunks` here is the numpy
@@ -29,13 +30,13 @@ reference it must match.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from slafload._lance import encodings
 from slafload._lance.footer import SPAN, STRIDE
 
 ReadAt = Callable[[int, int], bytes]
@@ -50,35 +51,6 @@ sizes, where the job's chunks were read to in the scratch buffer, where its firs
 bits, where its slice of the chunk offsets starts in the concatenated offsets, where its
 slice of the chunks' first rows starts in theirs (-1: its page's chunks are alike, see
 :class:`MiniPage`), that log2 of their rows, and the page's rows from the job's first chunk on."""
-
-_FLAT = r"Flat\(Flat\{bits_per_value:(\d+),data:None\}\)"
-_BYTES = r"Flat\(Flat\{bits_per_value:8,data:None\}\)"  # u8 run lengths
-_COMPRESSIVE = r"CompressiveEncoding\{{compression:Some\({}\)\}}"
-_VALUES = {
-    MINI_FLAT: re.compile(_FLAT),
-    BITPACK: re.compile(
-        r"InlineBitpacking\(InlineBitpacking\{uncompressed_bits_per_value:(\d+),values:None\}\)"
-    ),
-    RLE: re.compile(
-        rf"Rle\(Rle\{{values:Some\({_COMPRESSIVE.format(_FLAT)}\),"
-        rf"run_lengths:Some\({_COMPRESSIVE.format(_BYTES)}"
-        r"\)\}\)"
-    ),
-}
-_MINIBLOCK = re.compile(
-    r"PageLayout\{layout:Some\(MiniBlockLayout\(MiniBlockLayout\{"
-    r"rep_compression:None,def_compression:None,"
-    r"value_compression:Some\(CompressiveEncoding\{compression:Some\((?P<values>.*)\)\}\),"
-    r"dictionary:None,num_dictionary_items:0,layers:\[RepdefAllValidItem\],"
-    r"num_buffers:(?P<buffers>\d+),repetition_index_depth:0,num_items:(?P<items>\d+)"
-    r"(?:,has_large_chunk:(?P<large>true|false))?\}\)\)\}"  # absent before pylance ~1.0: u16
-)
-_CONSTANT = re.compile(
-    r"PageLayout\{layout:Some\(ConstantLayout\(ConstantLayout\{layers:\[RepdefAllValidItem\],"
-    r"inline_value:Some\(b\"(?P<value>.*)\"\),rep_compression:None,def_compression:None,"
-    r"num_rep_values:0,num_def_values:0\}\)\)\}"
-)
-_ESCAPES = {"n": 10, "r": 13, "t": 9, "0": 0, "\\": 92, '"': 34, "'": 39}
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,38 +136,41 @@ class Layout(NamedTuple):
     large: bool  # has_large_chunk: u32 chunk words and buffer sizes (2.2), else u16 (2.1)
 
 
-def layout(encoding: str, width: int) -> tuple[Layout, int] | None:
+_KINDS = {encodings.FLAT: MINI_FLAT, encodings.RLE: RLE, encodings.INLINE_BITPACKING: BITPACK}
+
+
+def layout(encoding: bytes, width: int) -> tuple[Layout, int] | None:
     """The :class:`Layout` and row count of a mini-block page of ``width``-byte values whose
-    encoding pylance prints as ``encoding``; ``None`` for any other page (a constant page
-    too: :func:`page` reads those).
+    ``Encoding`` message (as the file holds it) is ``encoding``; ``None`` for any other page
+    (a constant page too: :func:`page` reads those).
     """
-    match = _MINIBLOCK.fullmatch(squeezed(encoding))
-    if match is None:
-        return None
-    found = [(k, m) for k, p in _VALUES.items() if (m := p.fullmatch(match["values"]))]
-    if len(found) != 1 or int(found[0][1].group(1)) != 8 * width:
-        return None
-    kind = found[0][0]
-    n_buffers = int(match["buffers"])
-    if n_buffers != (2 if kind == RLE else 1) or (kind == BITPACK and width > 4):
-        return None
-    return Layout(kind, n_buffers, match["large"] == "true"), int(match["items"])
+    return _layout(encodings.page_layout(encoding), width)
 
 
-def page(fd: int | ReadAt, encoding: str, buffers: list[tuple[int, int]], width: int,
+def _layout(found: encodings.MiniBlock | encodings.Constant | None,
+            width: int) -> tuple[Layout, int] | None:  # fmt: skip
+    if not isinstance(found, encodings.MiniBlock) or found.bits != 8 * width:
+        return None
+    kind = _KINDS[found.compression]
+    if found.n_buffers != (2 if kind == RLE else 1) or (kind == BITPACK and width > 4):
+        return None
+    return Layout(kind, found.n_buffers, found.large), found.items
+
+
+def page(fd: int | ReadAt, encoding: bytes, buffers: list[tuple[int, int]], width: int,
          rows: int) -> MiniPage | None:  # fmt: skip
-    """The :class:`MiniPage` of a page of ``rows`` values of ``width`` bytes whose encoding
-    pylance prints as ``encoding``, with ``buffers`` ``(position, size)``, in the file open
-    as ``fd`` (or read by it: :data:`ReadAt`; its chunk words read now); ``None`` for any other page.
+    """The :class:`MiniPage` of a page of ``rows`` values of ``width`` bytes whose
+    ``Encoding`` message is ``encoding``, with ``buffers`` ``(position, size)``, in the file
+    open as ``fd`` (or read by it: :data:`ReadAt`; its chunk words read now); ``None`` for any
+    other page.
     """
-    if _CONSTANT.fullmatch(squeezed(encoding)) is not None:
-        raw = re.search(r'inline_value:\s*Some\(\s*b"((?:[^"\\]|\\.)*)"', str(encoding))
-        value = _bytes(raw.group(1)) if raw else b""
-        if len(value) != width or buffers:
+    decoded = encodings.page_layout(encoding)
+    if isinstance(decoded, encodings.Constant):
+        if len(decoded.value) != width or buffers:
             return None
-        bits = int.from_bytes(value, "little", signed=width == 8)  # an int64 job field
+        bits = int.from_bytes(decoded.value, "little", signed=width == 8)  # an int64 job field
         return MiniPage(CONSTANT, rows, constant=bits)
-    found = layout(encoding, width)
+    found = _layout(decoded, width)
     if found is None or found[1] != rows:
         return None
     return load(fd, found[0], buffers, rows)
@@ -275,14 +250,6 @@ def _compact(prefix: np.ndarray) -> np.ndarray:
     return prefix.astype(np.int32 if prefix[-1] < 2**31 else np.int64)
 
 
-def squeezed(encoding: str) -> str:
-    """pylance's text of a page's encoding without whitespace or trailing commas, the form
-    the encodings are matched in.
-    """
-    text = re.sub(r"\s+", "", str(encoding)).replace(",)", ")").replace(",}", "}")
-    return text.replace(",]", "]")
-
-
 def decode_chunks(scratch: np.ndarray, jobs: np.ndarray, chunk_at: np.ndarray,
                   chunk_rows: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
     """Decode every job's chunks from ``scratch`` into ``out`` (both ``uint8``): the numpy
@@ -357,19 +324,3 @@ def _pread(fd: int | ReadAt, n: int, at: int) -> bytes:
     if len(data) != n:
         raise OSError(f"unexpected end of file reading {n} bytes at {at}")
     return data
-
-
-def _bytes(literal: str) -> bytes:
-    """The bytes of a Rust ``b"..."`` literal as printed (hex and the usual escapes)."""
-    out, i = bytearray(), 0
-    while i < len(literal):
-        if literal[i] != "\\":
-            out.append(ord(literal[i]))
-            i += 1
-        elif literal[i + 1] == "x":
-            out.append(int(literal[i + 2 : i + 4], 16))
-            i += 4
-        else:
-            out.append(_ESCAPES[literal[i + 1]])
-            i += 2
-    return bytes(out)

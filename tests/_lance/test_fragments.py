@@ -103,8 +103,10 @@ def lance_rows(dataset, plan) -> pa.Table:
     return pa.concat_tables(parts)
 
 
-def assert_every_path_reads_as_lance(path, numba_kernels, version: str, *, warns: bool) -> None:
-    dataset = open_dataset(path)
+def assert_every_path_reads_as_lance(
+    path, numba_kernels, version: str, *, warns: bool, pin: int | None = None
+) -> None:
+    dataset = open_dataset(path, version=pin)
     plan = list(
         BlockShuffle(block_size=3, fetch_factor=4, batch_size=8).plan(N_CELLS, seed=2, epoch=0)
     )
@@ -288,6 +290,17 @@ def test_a_version_mismatch_while_reading_is_named_so_on_every_path(tmp_path, nu
         ),
         (OSError("Not supported: miniblock encoding with 7 buffers"), {"cells": {(2, 0)}}, None),
         (OSError("No such file or directory (os error 2)"), {"cells": {(2, 2)}}, None),
+        (  # pylance 0.35 reading a 2.2 table written by 14.0.2: a panic in one of its tasks
+            pa.ArrowInvalid("External error: RuntimeError: Task was aborted"),
+            {"cells": {(2, 2)}},
+            "cells.lance: Lance 2.2",
+        ),
+        (pa.ArrowInvalid("RuntimeError: Task was aborted"), {"cells": {(2, 1)}}, None),
+        (  # pylance 14.0.2 reading a 2.2 table written by 0.35 or 1.0
+            OSError("Invalid user input: Lance v2.2 miniblock pages require the u32 chunk grammar"),
+            {"expression": {(2, 2)}},
+            "expression.lance: Lance 2.2",
+        ),
     ],
 )
 def test_version_skew_is_told_from_pylance_errors(error, formats, named):
