@@ -19,12 +19,15 @@ imports torch first, as a training script does, and reports
   the window, beside ``random_entropy``, the same over batches of a uniform permutation.
 
 Contenders, all batch 64: slafload ``BlockShuffle(16, 256)`` with the ``raw`` and
-``geneformer`` tokenizers; scDataset ``BlockShuffling(16)`` with ``fetch_factor=256`` on the
+``geneformer`` tokenizers; slafload's default sampler (``ChunkShuffle``) with ``raw`` on a second
+store that ``convert(shuffle_seed=0)`` wrote in a shuffled order (annbatch's equivalent: its
+writer shuffles its collection; plates are looked up through ``original_index``); scDataset ``BlockShuffling(16)`` with ``fetch_factor=256`` on the
 backed ``.h5ad``, no workers, batches of CSR torch tensors; slafdb's ``SLAFDataLoader`` with its
 default mixture-of-scanners shuffling and its geneformer tokens; annbatch's ``Loader`` on its
 shuffled collection. A peer that is not installed, or does not import, is listed under
 ``skipped`` with the reason. Rounds are interleaved (the order reverses every other round) and
-every ratio to slafload is the median of per-round ratios. The page cache is warm: every
+every ratio to slafload is the median of per-round ratios. A run's ``Tuning`` settings may be
+given in the child's spec (``"tuning"``), for A/B runs of defaults. The page cache is warm: every
 file of every format is read once before the rounds.
 
     python benchmarks/peers.py                       # ~50k cells: a few minutes on 2 cores
@@ -51,12 +54,21 @@ from typing import Any
 
 BATCH_SIZE = 64
 BLOCK, FETCH_FACTOR = 16, 256
-SLAFLOAD = ("slafload-raw", "slafload-geneformer")
+SLAFLOAD = ("slafload-raw", "slafload-geneformer", "slafload-shuffled")
+# Each slafload contender's tokenizer and store: BlockShuffle on the store in input order, or
+# the default sampler (ChunkShuffle) on a store that `convert(shuffle_seed=0)` pre-shuffled,
+# as annbatch's writer shuffles its collection.
+SLAFLOAD_RUNS = {
+    "slafload-raw": ("raw", "slafload"),
+    "slafload-geneformer": ("geneformer", "slafload"),
+    "slafload-shuffled": ("raw", "slafload-shuffled"),
+}
 CONTENDERS = (*SLAFLOAD, "scdataset", "slafdb", "annbatch")
 YIELDS_LABELS = {"annbatch"}  # batches come with plate labels, not the h5ad's row numbers
 LABELS = {
     "slafload-raw": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), raw",
     "slafload-geneformer": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), geneformer",
+    "slafload-shuffled": "slafload ChunkShuffle, store pre-shuffled by convert, raw",
     "scdataset": f"scDataset BlockShuffling({BLOCK}), fetch_factor {FETCH_FACTOR}, backed h5ad",
     "slafdb": "slafdb SLAFDataLoader, mixture of scanners, geneformer",
     "annbatch": "annbatch Loader, shuffled zarr collection",
@@ -89,15 +101,20 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _slafload(spec: dict[str, Any], tokenizer: str) -> Iterator[Any]:
+def _slafload(spec: dict[str, Any], name: str) -> Iterator[Any]:
     import slafload
     from slafload.samplers import BlockShuffle
 
     ds = slafload.open_dataset(spec["path"])
-    sampler = BlockShuffle(block_size=BLOCK, fetch_factor=FETCH_FACTOR, batch_size=BATCH_SIZE)
+    tokenizer, store = SLAFLOAD_RUNS[name]
+    sampler = (
+        BlockShuffle(block_size=BLOCK, fetch_factor=FETCH_FACTOR, batch_size=BATCH_SIZE)
+        if store == "slafload" else None  # the default: ChunkShuffle
+    )  # fmt: skip
+    tuning = slafload.Tuning(**spec.get("tuning", {}))  # the defaults unless a run sets some
     with slafload.Loader(
         ds, tokenizer=tokenizer, sampler=sampler, batch_size=BATCH_SIZE,
-        max_genes=spec["max_genes"], n_epochs=None, seed=0, **spec.get("settings", {}),
+        max_genes=spec["max_genes"], n_epochs=None, seed=0, tuning=tuning,
     ) as loader:  # fmt: skip
         for batch in loader:
             yield batch["cell_integer_id"].numpy()
@@ -201,7 +218,7 @@ def _imports(name: str) -> None:
 
 def _batches(name: str, spec: dict[str, Any]) -> Iterator[Any]:
     if name in SLAFLOAD:
-        return _slafload(spec, name.split("-", 1)[1])
+        return _slafload(spec, name)
     opener: dict[str, Callable[[dict[str, Any]], Iterator[Any]]] = {
         "scdataset": _scdataset, "slafdb": _slafdb, "annbatch": _annbatch,
     }  # fmt: skip
@@ -356,8 +373,10 @@ def convert_all(
     if any(n in SLAFLOAD for n in wanted):
         from slafload.tools.convert import convert
 
-        out = data / "slafload.slaf"
-        write("slafload", out, lambda: convert([h5ad], out, overwrite=True, progress=False))
+        for key in sorted({SLAFLOAD_RUNS[n][1] for n in wanted if n in SLAFLOAD}):
+            out, seed = data / f"{key}.slaf", 0 if key == "slafload-shuffled" else None
+            write(key, out, lambda out=out, seed=seed: convert(
+                [h5ad], out, shuffle_seed=seed, overwrite=True, progress=False))  # fmt: skip
     if "slafdb" in wanted:
         if (why := _peer_error("slaf")) is not None:
             skipped["slafdb"] = why
@@ -525,7 +544,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"--python: unknown peers {sorted(unknown)}")
     paths, write_s, skipped = convert_all(h5ad, data, wanted, pythons)
     for name in wanted:
-        key = "slafload" if name in SLAFLOAD else name
+        key = SLAFLOAD_RUNS[name][1] if name in SLAFLOAD else name
         if key not in paths and name not in skipped:
             skipped[name] = skipped.get(key, "its data was not written")
     names = [n for n in wanted if n not in skipped]
@@ -537,7 +556,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "plates": str(data / "plates.npy")}  # fmt: skip
 
     def spec_of(name: str) -> dict[str, Any]:
-        return {**spec, "path": paths["slafload" if name in SLAFLOAD else name]}
+        key = SLAFLOAD_RUNS[name][1] if name in SLAFLOAD else name
+        plates = _plates_of(paths[key], data) if key == "slafload-shuffled" else spec["plates"]
+        return {**spec, "path": paths[key], "plates": plates}
 
     if any(n in SLAFLOAD for n in names):  # fills numba's cache; not reported
         run_child("slafload-geneformer", {**spec_of("slafload-geneformer"), "min_cells": 1,
@@ -571,6 +592,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }  # fmt: skip
     save_report(report, args.out, print_table, plot)
     return report
+
+
+def _plates_of(shuffled: str, data: Path) -> str:
+    """The plate of each cell of the pre-shuffled store, by its ``cell_integer_id``: the input
+    cell's plate (``original_index`` is each cell's row in the ``.h5ad``).
+    """
+    import lance
+    import numpy as np
+
+    out = data / "plates-shuffled.npy"
+    if not out.exists():
+        cells = lance.dataset(f"{shuffled}/cells.lance").to_table(
+            columns=["cell_integer_id", "original_index"]
+        )
+        order = np.argsort(cells["cell_integer_id"].to_numpy())
+        original = cells["original_index"].to_numpy()[order]
+        np.save(out, np.load(data / "plates.npy")[original])
+    return str(out)
 
 
 def _nnz_per_cell(h5ad: Path) -> float:
