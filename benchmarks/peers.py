@@ -21,8 +21,8 @@ imports torch first, as a training script does, and reports
 Contenders, all batch 64: slafload ``BlockShuffle(16, 256)`` with the ``raw`` and
 ``geneformer`` tokenizers; slafload's default sampler (``ChunkShuffle``) with ``raw`` on a second
 store that ``convert(shuffle_seed=0)`` wrote in a shuffled order (annbatch's equivalent: its
-writer shuffles its collection; plates are looked up through ``original_index``); scDataset ``BlockShuffling(16)`` with ``fetch_factor=256`` on the
-backed ``.h5ad``, no workers, batches of CSR torch tensors; slafdb's ``SLAFDataLoader`` with its
+writer shuffles its collection; plates are looked up through ``original_index``); scDataset
+``BlockShuffling(16)`` with ``fetch_factor=256`` on the backed ``.h5ad``, no workers, batches of CSR torch tensors; slafdb's ``SLAFDataLoader`` with its
 default mixture-of-scanners shuffling and its geneformer tokens; annbatch's ``Loader`` on its
 shuffled collection. A peer that is not installed, or does not import, is listed under
 ``skipped`` with the reason. Rounds are interleaved (the order reverses every other round) and
