@@ -70,3 +70,24 @@ def test_a_peer_that_its_interpreter_cannot_import_is_skipped_with_the_reason(tm
     assert peers._peer_error("json", sys.executable) is None
     assert "No module named" in peers._peer_error("no_such_peer_module", sys.executable)
     assert "cannot run" in peers._peer_error("json", str(tmp_path / "no-python"))
+
+
+def test_the_pre_shuffled_store_labels_each_cell_with_its_own_plate(tmp_path):
+    pytest.importorskip("anndata")
+    import argparse
+
+    import lance
+    import numpy as np
+
+    args = argparse.Namespace(cells=300, genes=50, plates=5, nnz=10)
+    data = tmp_path / "data"
+    h5ad = peers.make_h5ad(args, data)
+    paths, _, skipped = peers.convert_all(h5ad, data, ["slafload-shuffled"], {})
+    assert not skipped and set(paths) == {"slafload-shuffled"}
+    labels = np.load(peers._plates_of(paths["slafload-shuffled"], data))
+    cells = lance.dataset(f"{paths['slafload-shuffled']}/cells.lance").to_table().to_pandas()
+    assert not (cells["original_index"].to_numpy() == np.arange(300)).all()  # shuffled
+    # plates.npy codes the plates in sorted order; the store keeps each cell's own plate
+    plate = cells["plate"].astype(str).to_numpy()
+    codes = np.searchsorted(np.unique(plate), plate)
+    assert (labels[cells["cell_integer_id"].to_numpy()] == codes).all()
