@@ -57,6 +57,7 @@ from slafload._lance.fragments import Deletions, Matched, file_versions, stored_
 from slafload._lance.object_store import StoreOptions, supported
 from slafload._lance.open_files import DECLINED, OpenFiles, is_remote
 from slafload._lance.pieces import Job, Pending, keep_rows, pieces_kept
+from slafload._lance.ranged import StoreFiles
 from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline.buffers import BytePool
 from slafload.pipeline.ranges import expand
@@ -132,6 +133,8 @@ class DataFiles(OpenFiles):
             by ``kernels``' ``decode_chunks`` once it is loaded (Lance's reader until then).
         store: How files on an ``s3://`` store are read by range requests
             (:mod:`slafload._lance.ranged`); ``None``: by Lance's file readers.
+        shared: Where those files are kept for the dataset's other loaders
+            (:class:`~slafload._lance.ranged.StoreFiles`); ``None``: this reader's own.
     """
 
     def __init__(
@@ -148,9 +151,10 @@ class DataFiles(OpenFiles):
         versions: Sequence[tuple[int, int]] | None = None,
         mini: bool = False,
         store: StoreOptions | None = None,
+        shared: StoreFiles | None = None,
     ):
         super().__init__(paths, storage_options, max_open, flat=flat, kernels=kernels,
-                         versions=versions, mini=mini, store=store)  # fmt: skip
+                         versions=versions, mini=mini, store=store, shared=shared)  # fmt: skip
         self.starts = np.asarray(starts, dtype=np.int64)
         remote = bool(self.paths) and is_remote(self.paths[0])
         if threads is None:
@@ -183,6 +187,7 @@ class DataFiles(OpenFiles):
         pool: BytePool | None = None,
         mini: bool = False,
         store: StoreOptions | None = None,
+        shared: StoreFiles | None = None,
     ) -> DataFiles | str:
         """The data files of ``expression``'s pinned version, or why reading them directly
         would not be exact (see the module docstring and :mod:`slafload._lance.fragments`).
@@ -193,7 +198,8 @@ class DataFiles(OpenFiles):
         :mod:`slafload._lance.miniblock`; the numpy decoder is the reference, slower than Lance's).
         ``store``: on an ``s3://`` store, read the files by range requests
         (:mod:`slafload._lance.ranged`), their 2.1+ pages decoded by numpy until numba's kernel
-        is loaded (a request's latency dwarfs the decoding).
+        is loaded (a request's latency dwarfs the decoding); ``shared``: where the files it
+        opens are kept for the dataset's other loaders.
         """
         found = survey(expression)
         if isinstance(found, str):
@@ -205,9 +211,9 @@ class DataFiles(OpenFiles):
         starts = np.concatenate([[0], np.cumsum(found.rows)])
         direct = cls(found.paths, starts, storage_options, max_open, threads, flat=flat,
                      kernels=kernels, pool=pool, versions=versions, mini=mini,
-                     store=store if ranged else None)  # fmt: skip
+                     store=store if ranged else None, shared=shared)  # fmt: skip
         try:
-            stored = direct._new_reader(0, None).metadata().schema
+            stored = direct.stored_schema()
         except Exception as exc:  # an unreadable file is the scan's to report, not ours
             return f"its first data file cannot be opened ({type(exc).__name__}: {exc})"
         if direct.ranged is not None:  # storage options Lance reads and pyarrow's S3 may not

@@ -3,11 +3,11 @@
 Every request to a bucket pays its latency (10-30 ms to first byte on S3), so what decides a
 block sampler's rate there is how many requests a fetch costs and how many are in flight
 (docs/object-storage.md). :class:`ObjectStore` is the one place slafload's direct reader
-talks to a bucket: it opens files (one ``HEAD`` each, for the size), and :meth:`ObjectStore.fill`
-reads a window's runs of file bytes by as few range GETs as their gaps allow (runs of one
-file whose byte gap is at most :attr:`StoreOptions.gap` are read by one request, the gap
-read through, so long as the gaps a request reads stay within half the bytes it is made
-for), up to :attr:`StoreOptions.in_flight` requests at once, each retried after a
+talks to a bucket: it opens files (one ``HEAD`` each, for the size, kept open), and
+:meth:`ObjectStore.fill` reads a window's runs of file bytes by as few range GETs as their
+gaps allow (:func:`coalesce`: gaps of one file of at most :attr:`StoreOptions.gap` bytes are
+read through, smallest first, while the bytes read through stay within half the bytes the
+runs occupy), up to :attr:`StoreOptions.in_flight` requests at once, each retried after a
 transient failure as the loader's :class:`~slafload.config.RetryPolicy` says.
 
 The requests go through ``pyarrow.fs.S3FileSystem`` (public and documented: ``open_input_file``
@@ -18,6 +18,7 @@ other stores keep Lance's reader.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -39,14 +40,14 @@ class StoreOptions:
     """How :class:`ObjectStore` requests bytes.
 
     Attributes:
-        gap: Runs of one file at most this many bytes apart are read by one request.
+        gap: Runs of one file at most this many bytes apart may be read by one request
+            (:func:`coalesce`).
         in_flight: Range requests at once.
         retry: When a failed request is made again (transient failures: ``OSError``, a
             short body), with what waits.
     """
 
-    gap: int = RANGE_GAP  # at a run of ~20-40 KB a column (a 16-cell block), more would read
-    # bytes the rows do not occupy for a request saved only where blocks are near
+    gap: int = RANGE_GAP
     in_flight: int = REQUESTS_IN_FLIGHT
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
@@ -107,17 +108,26 @@ class ObjectStore:
         # The SDK's own retries off: one policy (the loader's) decides, and counts, them all.
         self._fs = s3_filesystem(storage_options, retries=1)
         self.blobs: dict[int, Blob] = {}
+        self._by_path: dict[str, Blob] = {}
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(options.in_flight)  # requests under way
         self.requests = 0
         self.bytes = 0
 
     def open(self, uri: str) -> Blob:
-        """Open the file at ``uri`` (``s3://bucket/key``): one ``HEAD`` request, retried."""
+        """Open the file at ``uri`` (``s3://bucket/key``): one ``HEAD`` request, retried, the
+        first time (pyarrow's ``open_input_file`` takes no size; the open file is kept).
+        """
+        with self._lock:
+            blob = self._by_path.get(uri)
+        if blob is not None:
+            return blob
         handle = self._retried(lambda: self._fs.open_input_file(uri.split("://", 1)[1]), uri)
         with self._lock:
-            blob = Blob(len(self.blobs), uri, handle.size(), handle)
-            self.blobs[blob.id] = blob
+            blob = self._by_path.get(uri)
+            if blob is None:
+                blob = Blob(len(self.blobs), uri, handle.size(), handle)
+                self.blobs[blob.id] = self._by_path[uri] = blob
         return blob
 
     def read_at(self, blob: Blob, n: int, at: int) -> bytes:
@@ -130,7 +140,8 @@ class ObjectStore:
         """
         got: dict[tuple[int, int], bytes] = {}
         out = [np.empty(n, np.uint8) for _, n in runs]
-        self._read([(blob.id, at, n, buf, 0) for (at, n), buf in zip(runs, out, strict=True)])
+        self._read([blob.id] * len(runs), [at for at, _ in runs], [n for _, n in runs],
+                   [(buf, 0) for buf in out])  # fmt: skip
         for (at, n), buf in zip(runs, out, strict=True):
             got[(n, at)] = buf.tobytes()
         return lambda n, at: got[(n, at)] if (n, at) in got else self._get(blob, at, n)
@@ -140,36 +151,29 @@ class ObjectStore:
         ``fds`` (blob ids), ``offsets``, ``sizes`` and ``where`` (the buffer offsets), as
         :class:`~slafload._lance.flat_reads._Runs` does.
         """
-        self._read([
-            (fd, offset, size, buffer, at)
-            for runs, buffer in targets
-            for fd, offset, size, at in zip(runs.fds, runs.offsets, runs.sizes, runs.where,
-                                            strict=True)
-        ])  # fmt: skip
+        fds: list[int] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        into: list[tuple[np.ndarray, int]] = []
+        for runs, buffer in targets:
+            fds += runs.fds
+            offsets += runs.offsets
+            sizes += runs.sizes
+            into += [(buffer, at) for at in runs.where]
+        self._read(fds, offsets, sizes, into)
 
-    def _read(self, runs: list[tuple[int, int, int, np.ndarray, int]]) -> None:
-        """Each run ``(blob id, offset, bytes, buffer, buffer offset)`` read into its buffer,
-        runs of one blob within :attr:`StoreOptions.gap` of each other by one request, as
-        long as the gaps it reads through stay within half the bytes it is made for (so a
-        read never costs more than 1.5 times the runs' bytes).
+    def _read(self, fds: list[int], offsets: list[int], sizes: list[int],
+              into: list[tuple[np.ndarray, int]]) -> None:  # fmt: skip
+        """Bytes ``[offsets[i], offsets[i] + sizes[i])`` of blob ``fds[i]`` read into
+        ``into[i]`` (a buffer and where in it), by as few requests as :func:`coalesce`
+        allows, up to :attr:`StoreOptions.in_flight` at once.
         """
-        if not runs:
+        if not fds:
             return
-        runs.sort(key=lambda r: (r[0], r[1]))
-        groups: list[list[tuple[int, int, int, np.ndarray, int]]] = []
-        end = wanted = waste = 0
-        for run in runs:
-            blob, offset, size = run[:3]
-            hole = max(0, offset - end)
-            if (groups and blob == groups[-1][0][0] and hole <= self.options.gap
-                    and 2 * (waste + hole) <= wanted + size):  # fmt: skip
-                groups[-1].append(run)
-                wanted += max(0, offset + size - max(end, offset))  # overlaps count once
-                waste += hole
-                end = max(end, offset + size)
-            else:
-                groups.append([run])
-                wanted, waste, end = size, 0, offset + size
+        order, starts = coalesce(np.array(fds, np.int64), np.array(offsets, np.int64),
+                                 np.array(sizes, np.int64), self.options.gap)  # fmt: skip
+        runs = [(fds[i], offsets[i], sizes[i], *into[i]) for i in order.tolist()]
+        groups = [runs[a:b] for a, b in itertools.pairwise(starts.tolist())]
         if len(groups) == 1:
             self._read_group(groups[0])
             return
@@ -217,3 +221,32 @@ class ObjectStore:
                             wait)  # fmt: skip
                 time.sleep(wait)
         raise AssertionError("unreachable")
+
+
+def coalesce(
+    fds: np.ndarray, offsets: np.ndarray, sizes: np.ndarray, gap: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which runs of file bytes one request reads: ``(order, starts)``, the runs sorted by
+    file and offset, and where each request's runs start in that order (``starts[-1]`` is
+    the number of runs).
+
+    Runs of one file that overlap or touch share a request. Of the gaps between the others
+    of one file, at most ``gap`` bytes each, the smallest are read through first, for as
+    long as the bytes read through stay within half the bytes the runs occupy (counted once
+    where they overlap): a read never costs more than 1.5 times its runs' bytes, and that
+    budget saves the most requests it can (a small gap saves a request for fewer bytes).
+    """
+    order = np.lexsort((offsets, fds))
+    # One axis for every file: a file's bytes at fd << 44 (files are below 16 TiB).
+    at = (fds[order] << 44) + offsets[order]
+    end = np.maximum.accumulate(at + sizes[order])  # the furthest byte read so far
+    hole = at[1:] - end[:-1]
+    same = fds[order][1:] == fds[order][:-1]
+    wanted = int(sizes.sum()) - int(np.minimum(np.maximum(-hole, 0), sizes[order][1:]).sum())
+    join = same & (hole <= 0)
+    open_ = np.flatnonzero(same & (hole > 0) & (hole <= gap))
+    open_ = open_[np.argsort(hole[open_], kind="stable")]
+    taken = np.cumsum(hole[open_]) <= wanted // 2
+    join[open_[taken]] = True
+    starts = np.concatenate([[0], np.flatnonzero(~join) + 1, [len(at)]])
+    return order, starts

@@ -27,7 +27,7 @@ from slafload._lance.file_format import FlatFiles
 from slafload._lance.flat_pages import V2_0, FlatFile
 from slafload._lance.fragments import Matched
 from slafload._lance.object_store import ObjectStore, StoreOptions, supported
-from slafload._lance.ranged import RangedFiles
+from slafload._lance.ranged import RangedFiles, StoreFiles
 from slafload.errors import ReaderFallbackWarning
 from slafload.kernels import NUMPY, Kernels
 
@@ -103,6 +103,9 @@ class OpenFiles:
         mini: Open 2.1+ files' mini-block pages flat too, once the decoder is loaded.
         store: On an ``s3://`` store, read the files' pages by range requests
             (:mod:`slafload._lance.ranged`) as these options say; ``None``: Lance's reader.
+        shared: Where files opened by range requests are kept for the dataset's other
+            loaders (its :class:`~slafload._lance.ranged.StoreFiles`); ``None``: this
+            reader's own.
     """
 
     def __init__(
@@ -116,6 +119,7 @@ class OpenFiles:
         versions: Sequence[tuple[int, int]] | None = None,
         mini: bool = False,
         store: StoreOptions | None = None,
+        shared: StoreFiles | None = None,
     ):
         self.paths = list(paths)
         self._v2_0 = None if versions is None else [v in V2_0 for v in versions]
@@ -128,8 +132,11 @@ class OpenFiles:
         self.ranged: ObjectStore | None = None  # range requests read the files' pages
         self._flat_files: FlatFiles | RangedFiles
         if remote and flat and store is not None and supported(self.paths[0]):
-            self.ranged = ObjectStore(storage_options, store)
-            self._flat_files = RangedFiles(self.ranged, self._reader_of, kernels)
+            ranged = (StoreFiles() if shared is None else shared).files(
+                storage_options, store, kernels
+            )
+            self.ranged = ranged.store
+            self._flat_files = ranged
         else:
             self._flat_files = FlatFiles(mini=mini and kernels.backend == "numba", kernels=kernels)
         self.flat = flat and (not remote or self.ranged is not None)  # pread: local files
@@ -196,9 +203,11 @@ class OpenFiles:
             self.paths[index], storage_options=self.storage_options, columns=columns
         )
 
-    def _reader_of(self, path: str) -> LanceFileReader:
-        """Lance's reader of every column of the data file at ``path``."""
-        return self._new_reader(self.paths.index(path), None)
+    def stored_schema(self) -> Any:
+        """The schema the first data file stores, as Lance's metadata has it."""
+        if isinstance(self._flat_files, RangedFiles):  # kept with the dataset's opened files
+            return self._flat_files.metadata(self.paths[0]).schema
+        return self._new_reader(0, None).metadata().schema
 
     def _lance_reader(self, index: int, cols: tuple[str, ...]) -> LanceFileReader | object:
         """Lance's reader of ``cols`` of data file ``index``, or :data:`DECLINED` where the

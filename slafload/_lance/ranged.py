@@ -16,17 +16,24 @@ its ``fill`` makes them as range requests through the table's
 :class:`~slafload._lance.object_store.ObjectStore` (one per column page range, runs close
 together coalesced, many in flight). A range of rows thus costs about one request per column
 (three for the expression table), none for metadata once its file is open.
+
+The loaders of one dataset share what they open (:class:`StoreFiles`, held by the
+dataset): a file is opened, and the table's format learned, once per dataset and store
+settings, not once per loader or ``iter(loader)``, as Lance's session keeps its metadata
+for ``take_scan``.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
 import pyarrow as pa
+from lance.file import LanceFileReader
 
 from slafload._lance.file_format import FileFormat
 from slafload._lance.flat_pages import (
@@ -40,10 +47,12 @@ from slafload._lance.flat_pages import (
     meta_columns,
 )
 from slafload._lance.footers import Footer, walk_footer
-from slafload._lance.object_store import Blob, ObjectStore
+from slafload._lance.object_store import Blob, ObjectStore, StoreOptions
 from slafload.kernels import NUMPY, Kernels
 
 logger = logging.getLogger(__name__)
+
+MAX_FILES = 8192  # opened files a RangedFiles keeps (each holds its pages' chunk tables)
 
 
 class RangedFile(FlatFile):
@@ -71,7 +80,8 @@ class RangedFiles:
             file's metadata and rows are checked against it.
         kernels: What the first file's rows are decoded with when they are checked.
 
-    Thread-safe. Mirrors :class:`~slafload._lance.file_format.FlatFiles`' interface.
+    Thread-safe. Mirrors :class:`~slafload._lance.file_format.FlatFiles`' interface. Each
+    file's reader (or ``None``) is kept once opened, the last :data:`MAX_FILES` of them.
     """
 
     mini = True  # mini-block pages decoded (by numpy until numba's kernel is loaded)
@@ -84,6 +94,18 @@ class RangedFiles:
         self._format: FileFormat | None = None
         self._declined: str | None = None  # why the first file did not teach a format
         self._lock = threading.Lock()
+        self._kept: OrderedDict[tuple[str, tuple[str, ...]], RangedFile | None] = OrderedDict()
+        self._meta: dict[str, Any] = {}
+
+    def metadata(self, path: str) -> Any:
+        """Lance's metadata of the data file at ``path`` (kept once read)."""
+        with self._lock:
+            meta = self._meta.get(path)
+        if meta is None:
+            meta = self._lance_reader(path).metadata()
+            with self._lock:
+                self._meta[path] = meta
+        return meta
 
     @property
     def format(self) -> FileFormat | None:
@@ -112,6 +134,19 @@ class RangedFiles:
         ``None`` where its footer does not follow the table's format (then Lance reads it).
         A failed request (after the store's retries) raises its ``OSError``.
         """
+        key = (path, tuple(columns))
+        with self._lock:
+            if key in self._kept:
+                self._kept.move_to_end(key)
+                return self._kept[key]
+        opened = self._open(path, columns)
+        with self._lock:
+            self._kept[key] = opened
+            while len(self._kept) > MAX_FILES:
+                self._kept.popitem(last=False)
+        return opened
+
+    def _open(self, path: str, columns: Sequence[str]) -> RangedFile | None:
         blob = self.store.open(path)
         try:
             footer = walk_footer(lambda n, at: self.store.read_at(blob, n, at), blob.size)
@@ -196,3 +231,34 @@ class RangedFiles:
             logger.warning("the ranged read of %s disagrees with Lance's; Lance reads it", path)
             return None, meta
         return flat, meta
+
+
+class StoreFiles:
+    """What the loaders of one dataset share on an ``s3://`` store: one :class:`RangedFiles`
+    (its :class:`ObjectStore`, learned format and opened files) per storage and store
+    options. Thread-safe; pickled empty (a DataLoader worker opens its own).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: dict[tuple[Any, ...], RangedFiles] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StoreFiles, ())
+
+    def files(self, storage_options: Mapping[str, str] | None, options: StoreOptions,
+              kernels: Kernels = NUMPY) -> RangedFiles:  # fmt: skip
+        """The :class:`RangedFiles` of ``storage_options`` and ``options``, made on first use
+        (``kernels``: what the first file's rows are checked with).
+        """
+        opts = dict(storage_options or {})
+        key = (tuple(sorted(opts.items())), options)
+        with self._lock:
+            found = self._files.get(key)
+            if found is None:
+                found = self._files[key] = RangedFiles(
+                    ObjectStore(opts, options),
+                    lambda path: LanceFileReader(path, storage_options=opts),
+                    kernels,
+                )
+        return found

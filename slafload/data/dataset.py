@@ -27,6 +27,7 @@ import pyarrow.fs as pafs
 
 from slafload._lance.fragments import version_error
 from slafload._lance.object_store import s3_filesystem
+from slafload._lance.ranged import StoreFiles
 from slafload.data.checks import cell_offsets, check_counts, check_schema, spot_check_expression
 from slafload.data.offsets import CellOffsets
 from slafload.errors import (
@@ -61,6 +62,9 @@ class SlafDataset:
             bytes a cell, 4 on atlases denser than ~2.1k non-zeros a cell: the only state a
             run keeps per cell).
         storage_options: Lance storage options used to open the tables (object stores).
+        store_files: The expression table's data files opened by range requests (``s3://``),
+            shared by the dataset's loaders so each file is opened once
+            (:class:`~slafload._lance.ranged.StoreFiles`).
     """
 
     uri: str
@@ -70,6 +74,7 @@ class SlafDataset:
     genes: lance.LanceDataset
     cell_start: CellOffsets
     storage_options: Mapping[str, str] | None = field(default=None, repr=False)
+    store_files: StoreFiles = field(default_factory=StoreFiles, init=False, repr=False)
 
     @property
     def n_cells(self) -> int:

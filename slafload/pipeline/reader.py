@@ -138,6 +138,7 @@ class Reader:
                 pool=o.pool,
                 mini=o.mini,
                 store=o.store,
+                shared=self.dataset.store_files,
             )
             if isinstance(found, str):
                 warnings.warn(
@@ -219,13 +220,16 @@ class Reader:
         # (Long scanned spans are not compacted: copying the rows of a 500k-cell atlas's
         # `BlockShuffle(1, 1024)` scans raised its peak RSS from ~1.0 to ~1.4 GB.)
         sparse = (spans[:, 1] - spans[:, 0] >= COMPACT_FROM * (own[last + 1] - own[first])).tolist()
-        long = spans[:, 1] - spans[:, 0] >= self._scan_from()
-        files = self.data_files()
-        if files is not None and files.ranged is not None:  # a scan reads the gaps too
+        if self._ranged():  # range requests read every span, gap rows only where worth it
             wanted = own[last + 1] - own[first]
             gaps = spans[:, 1] - spans[:, 0] - wanted
             short = wanted < SHORT_RANGE_ROWS * (last + 1 - first)
-            long &= gaps <= np.where(short, 3 * REQUEST_ROWS * (last - first), wanted // 2)
+            whole = gaps <= np.where(short, 3 * REQUEST_ROWS * (last - first), wanted // 2)
+            yield from itertools.chain.from_iterable(
+                self._read_short(spans, ranges, np.arange(len(spans)), sparse, whole.tolist())
+            )
+            return
+        long = spans[:, 1] - spans[:, 0] >= self._scan_from()
         # A scanner per long span and one Lance call for all short ones, all started before the
         # first batch is handed on; then the wanted rows of each span, in span order.
         scans = {i: started(self._scan(*spans[i].tolist())) for i in np.flatnonzero(long).tolist()}
@@ -233,19 +237,19 @@ class Reader:
         for i, span in enumerate(ranges):
             yield from _cut(scans.pop(i), span, int(spans[i, 0])) if long[i] else next(shorts)
 
+    def _ranged(self) -> bool:
+        """Whether range requests read this dataset's scattered ranges (an ``s3://`` store)."""
+        files = self.data_files()
+        return files is not None and files.ranged is not None
+
     def _scan_from(self) -> int:
         """Rows from which a span gets a scanner of its own.
 
         Kept-open file readers on local storage read a span of up to a data file's worth
         faster than a scanner, whose creation runs on the producer: on the 5M-cell atlas,
         ``BlockShuffle(1, 256)`` fetches hold ~840 spans of 64Ki-1Mi rows (docs/sampling.md).
-        ``take_scan`` (no direct path) and object stores keep :data:`SCAN_FROM_ROWS`; where
-        range requests read the files (``s3://``), a span is scanned only where the gap
-        rows a scan reads too are worth it: at most half its wanted rows (so a block
-        sampler's reads stay within 1.5x the bytes its rows occupy), or, for ranges shorter
-        than :data:`SHORT_RANGE_ROWS` on average (single cells: ChunkShuffle's first fetch,
-        read as its first cells, then the rest), fewer than the requests it saves (about one
-        a column for each range but the first) are worth, at :data:`REQUEST_ROWS` rows each.
+        ``take_scan`` (no direct path) and object stores other than ``s3://`` keep
+        :data:`SCAN_FROM_ROWS` (``s3://`` spans are all read by range requests: :meth:`_read_many`).
         """
         files = self.data_files()
         if files is not None and not is_remote(self.dataset.uri):
@@ -253,10 +257,17 @@ class Reader:
         return SCAN_FROM_ROWS
 
     def _read_short(
-        self, spans: np.ndarray, ranges: list[np.ndarray], which: np.ndarray, sparse: list[bool]
+        self,
+        spans: np.ndarray,
+        ranges: list[np.ndarray],
+        which: np.ndarray,
+        sparse: list[bool],
+        whole: list[bool] | None = None,
     ) -> Iterator[Iterable[pa.RecordBatch]]:
         """The wanted rows of each span in ``which``, in order, read by one Lance call
-        (``sparse`` spans' rows copied out of the span as soon as it is read).
+        (``sparse`` spans' rows copied out of the span as soon as it is read). Where range
+        requests read the files, ``whole`` says which spans are read whole, gap rows and all
+        (the others' wanted rows alone are requested).
         """
         if len(which) == 0:
             return iter(())
@@ -279,9 +290,13 @@ class Reader:
         if files is not None:  # one read_range per piece on an open file: no per-range open
             # The read threads keep a sparse span's wanted rows as soon as they read each piece
             # (a span's ranges ascend without overlap: `coalesce` starts a new span at a repeat).
-            # Range requests read no gap rows at all: each range's byte runs are requested,
-            # those close together coalesced by the store (Tuning.range_gap).
-            keep = [ranges[i] if sparse[i] or ranged else None for i in which.tolist()]
+            # Range requests read no gap rows but those of spans read whole: each range's byte
+            # runs are requested, those close together coalesced by the store (range_gap).
+            keep = [
+                None if ranged and whole is not None and whole[i]
+                else ranges[i] if sparse[i] or ranged else None
+                for i in which.tolist()
+            ]  # fmt: skip
             per_span = files.read(spans[which], COLUMNS, keep)
             return (
                 batches if kept is not None else _cut(batches, ranges[i], int(spans[i, 0]))
