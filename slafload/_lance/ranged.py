@@ -26,6 +26,7 @@ for ``take_scan``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -236,12 +237,14 @@ class RangedFiles:
 class StoreFiles:
     """What the loaders of one dataset share on an ``s3://`` store: one :class:`RangedFiles`
     (its :class:`ObjectStore`, learned format and opened files) per storage and store
-    options. Thread-safe; pickled empty (a DataLoader worker opens its own).
+    options. Thread-safe; pickled empty, and emptied in a forked child (a DataLoader worker
+    opens its own: neither pyarrow's S3 client nor threads survive a fork).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._files: dict[tuple[Any, ...], RangedFiles] = {}
+        self._pid = os.getpid()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (StoreFiles, ())
@@ -254,6 +257,8 @@ class StoreFiles:
         opts = dict(storage_options or {})
         key = (tuple(sorted(opts.items())), options)
         with self._lock:
+            if self._pid != os.getpid():  # a forked child: the parent's clients are not its own
+                self._files, self._pid = {}, os.getpid()
             found = self._files.get(key)
             if found is None:
                 found = self._files[key] = RangedFiles(

@@ -5,13 +5,15 @@
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import numpy as np
 import pytest
 from conftest import s3_options, upload
 
 from slafload import Loader, ReadError, RetryPolicy, Tuning, open_dataset, synthetic
-from slafload._lance.object_store import coalesce
+from slafload._lance.object_store import StoreOptions, coalesce
+from slafload._lance.ranged import StoreFiles
 from slafload.pipeline.reader import Reader
 from slafload.samplers import BlockShuffle
 
@@ -123,3 +125,14 @@ def test_failed_requests_are_retried_and_no_cell_is_lost_or_repeated(atlas, remo
     s3_proxy.fail_next("503", agent="aws-sdk-cpp")  # and with retries off, the failure shows
     with pytest.raises(ReadError, match="SLOW_DOWN|SERVICE_UNAVAILABLE"):  # (the SDK says either)
         batches(remote, tuning=Tuning(retry=RetryPolicy(attempts=1)), **blocks(16))
+
+
+def test_the_files_a_dataset_opened_are_shared_by_its_loaders_but_not_pickled_or_forked():
+    shared = StoreFiles()
+    options = s3_options("http://127.0.0.1:9")  # nothing is requested here
+    first = shared.files(options, StoreOptions())
+    assert shared.files(dict(options), StoreOptions()) is first  # the same settings
+    assert shared.files(options, StoreOptions(gap=0)) is not first
+    assert pickle.loads(pickle.dumps(shared)).files(options, StoreOptions()) is not first
+    shared._pid = -1  # as a forked child sees it: the parent's clients are not its own
+    assert shared.files(options, StoreOptions()) is not first
