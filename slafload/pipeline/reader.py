@@ -16,7 +16,9 @@ read depends on their shape (numbers in docs/sampling.md):
   (:mod:`slafload._lance.data_files`, where that is exact; else with one ``take_scan`` call, whose
   per-range cost grows with the number of data files) or, when they are tiny (single cells
   of a few hundred rows), one ``take`` of their row ids; the wanted rows are zero-copy slices
-  of the spans.
+  of the spans. On ``s3://`` no span is scanned: range requests read each span whole where
+  its gap rows are worth the requests they save, else its ranges alone
+  (:mod:`slafload._lance.ranged`).
 
 Every Lance stream of a fetch is opened and started (its first batch pulled) before the first
 batch is handed on, so Lance decodes the rest of each stream on its own threads; a caller that
