@@ -4,8 +4,9 @@ hand them over as torch tensors.
 Pieces rarely hold a multiple of ``batch_size`` cells, so the rows left over at the end of a
 piece are carried into the first batch of the next one; only the last batch of an epoch can
 be short (or dropped with ``drop_last``). Full batches inside a piece are zero-copy views.
-One chain may carry several epochs back to back (:mod:`slafload.pipeline.epochs`); it then tells this
-stage how many rows each epoch has, and no batch spans two epochs.
+One chain may carry several epochs back to back (:mod:`slafload.pipeline.epochs`): each piece
+carries its epoch leg, the piece ending a leg ends that epoch here, and no batch spans two
+epochs.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import torch
 from slafload._validate import check_int
 from slafload.errors import LoaderError
 from slafload.pipeline.buffers import torch_dtype
+from slafload.pipeline.partition import Leg, Tagged
 from slafload.pipeline.stage import Stage
 from slafload.types import Batch
 
 Arrays = Mapping[str, np.ndarray]
+NumpyBatch = dict[str, np.ndarray]  # one batch's numpy arrays, before ToTorch
 
 
 class Batcher:
@@ -83,33 +86,34 @@ def _slice(arrays: Arrays, start: int, stop: int) -> dict[str, np.ndarray]:
     return {k: v[start:stop] for k, v in arrays.items()}
 
 
-class Batches(Stage[dict[str, np.ndarray]]):
+class Batches(Stage[Tagged[NumpyBatch]]):
     """Fixed-size batches of the rows of every piece; the short last one at each epoch's end.
 
+    Each piece comes tagged with its epoch leg (:class:`~slafload.pipeline.partition.Tagged`):
+    the leg's epoch ends (its short batch goes out, or is dropped with ``drop_last``) as soon
+    as the piece ending it is in, and every batch carries its leg and the leg's cells done
+    once it is delivered. Untagged pieces (``leg=None``) are one epoch, ended by the end of
+    the stream. The rows of each leg are counted against its plan, so cells lost or
+    duplicated upstream fail loudly here.
+
     Args:
-        source: Row-aligned arrays, piece by piece.
+        source: Row-aligned arrays, piece by piece, tagged.
         batch_size: Rows per batch.
         drop_last: Drop each epoch's short last batch.
-        epochs: Rows of each epoch the stream carries, in order, pulled as each epoch's
-            first rows arrive; an epoch ends (its short batch goes out) as soon as its last
-            row is in. ``None``: the whole stream is one epoch.
     """
 
     def __init__(
-        self,
-        source: Iterator[Arrays],
-        batch_size: int,
-        *,
-        drop_last: bool = False,
-        epochs: Iterator[int] | None = None,
+        self, source: Iterator[Tagged[Arrays]], batch_size: int, *, drop_last: bool = False
     ):
         super().__init__(source)
         self._batcher = Batcher(batch_size, drop_last=drop_last)
-        self._ready: Iterator[dict[str, np.ndarray]] = iter(())
+        self._ready: Iterator[Tagged[NumpyBatch]] = iter(())
         self._finished = False
-        self._epochs, self._left = epochs, 0
+        self._open = False  # a leg has rows in, and has not ended
+        self._leg: Leg | None = None  # the leg open, or the last one ended
+        self._rows = self._done = 0  # its rows in, its cells batched
 
-    def __next__(self) -> dict[str, np.ndarray]:
+    def __next__(self) -> Tagged[NumpyBatch]:
         while True:
             batch = next(self._ready, None)
             if batch is not None:
@@ -117,54 +121,74 @@ class Batches(Stage[dict[str, np.ndarray]]):
             if self._finished:
                 raise StopIteration
             try:
-                arrays = next(self.source)
+                piece = next(self.source)
             except StopIteration:
                 self._finished = True
-                self._ready = self._batcher.finish()
+                self._ready = self._end()
                 continue
-            self._ready = self._batcher.add(arrays) if self._epochs is None else self._cut(arrays)
+            self._ready = self._cut(piece)
 
-    def _cut(self, arrays: Arrays) -> Iterator[dict[str, np.ndarray]]:
-        """The batches ``arrays`` completes, and the end of its epoch if it is the last piece.
+    def _cut(self, piece: Tagged[Arrays]) -> Iterator[Tagged[NumpyBatch]]:
+        """The batches ``piece`` completes, and the end of its leg if it is the last piece.
 
-        A piece never spans two epochs (it is part of one fetch of one epoch), so a piece
-        that runs past its epoch's rows means cells were lost or duplicated upstream.
+        A piece never spans two legs (it is part of one fetch of one epoch), so a piece that
+        runs past its leg's rows means cells were lost or duplicated upstream.
         """
-        assert self._epochs is not None
-        n = _rows(arrays)
-        if not n:  # nothing to place, and no epoch to open for it
-            return
-        while not self._left:
-            left = next(self._epochs, None)
-            if left is None:
-                raise LoaderError(f"{n} rows arrived after the last planned epoch")
-            self._left = left
-        if n > self._left:
+        leg, n = piece.leg, _rows(piece.item)
+        if not self._open or leg is not self._leg:
+            yield from self._end()
+            if leg is not None and self._leg is not None and leg.epoch <= self._leg.epoch:
+                raise LoaderError(
+                    f"{n} rows arrived after the last planned epoch: epoch {leg.epoch} had "
+                    f"all its {leg.rows} rows; the stages duplicated cells"
+                )
+            self._open, self._leg, self._rows, self._done = True, leg, 0, 0
+        self._rows += n
+        if leg is not None and self._rows > leg.rows:
             raise LoaderError(
-                f"a piece of {n} rows arrived with {self._left} rows left in its epoch: "
-                "the stages lost or duplicated cells"
+                f"a piece of {n} rows arrived with {leg.rows - self._rows + n} rows left in "
+                f"epoch {leg.epoch}: the stages lost or duplicated cells"
             )
-        yield from self._batcher.add(arrays)
-        self._left -= n
-        if not self._left:
-            yield from self._batcher.finish()
+        yield from self._tag(self._batcher.add(piece.item))
+        if piece.ends:
+            yield from self._end()
+
+    def _end(self) -> Iterator[Tagged[NumpyBatch]]:
+        """End the open leg, if any: its short last batch, unless ``drop_last``."""
+        if not self._open:
+            return
+        leg = self._leg
+        if leg is not None and self._rows < leg.rows:
+            raise LoaderError(
+                f"epoch {leg.epoch} ended {leg.rows - self._rows} cells short of its plan; "
+                "the stages lost cells"
+            )
+        yield from self._tag(self._batcher.finish())
+        self._open = False
+
+    def _tag(self, batches: Iterator[NumpyBatch]) -> Iterator[Tagged[NumpyBatch]]:
+        """``batches`` of the open leg, each with the leg's cells done after it."""
+        for batch in batches:
+            self._done += _rows(batch)
+            yield Tagged(batch, self._leg, done=self._done)
 
 
-class ToTorch(Stage[Batch]):
+class ToTorch(Stage[Tagged[Batch]]):
     """Each batch as torch tensors (zero-copy from contiguous, writable arrays; a read-only
     view of Arrow memory, such as a piece's expression rows, is copied), or, with
-    ``pin_memory``, as copies in page-locked memory (:func:`pinned`).
+    ``pin_memory``, as copies in page-locked memory (:func:`pinned`); its tag kept beside it.
     """
 
-    def __init__(self, source: Iterator[Arrays], *, pin_memory: bool = False):
+    def __init__(self, source: Iterator[Tagged[Arrays]], *, pin_memory: bool = False):
         super().__init__(source)
         self.pin_memory = pin_memory
 
-    def __next__(self) -> Batch:
-        arrays = next(self.source)
+    def __next__(self) -> Tagged[Batch]:
+        batch = next(self.source)
+        arrays = batch.item
         if self.pin_memory:
-            return {k: pinned(v) for k, v in arrays.items()}
-        return {k: torch.from_numpy(_writable(v)) for k, v in arrays.items()}
+            return batch.then({k: pinned(v) for k, v in arrays.items()})
+        return batch.then({k: torch.from_numpy(_writable(v)) for k, v in arrays.items()})
 
 
 def pinned(array: np.ndarray) -> torch.Tensor:

@@ -28,7 +28,7 @@ from slafload.pipeline.buffers import BytePool
 from slafload.pipeline.chunk import Assemble, Shuffle, Split, Transform
 from slafload.pipeline.first_read import split_first
 from slafload.pipeline.layout import LayOut, TokenStage
-from slafload.pipeline.partition import Part
+from slafload.pipeline.partition import Part, Tagged
 from slafload.pipeline.ranges import RangeSet
 from slafload.pipeline.ranking import RankGenes
 from slafload.pipeline.read import Read, RetryingReader
@@ -108,18 +108,18 @@ def build_chain(
     *,
     sleep: Callable[[float], object] = time.sleep,
     observe: Observe = _as_is,
-    epochs: Iterator[int] | None = None,
-) -> Stage[Batch]:
-    """The stages that turn ``parts`` (a rank's share of one or more epochs) into torch batches.
+) -> Stage[Tagged[Batch]]:
+    """The stages that turn ``parts`` (a rank's share of one or more epochs) into torch batches,
+    each beside its epoch leg and the leg's cells done after it (:class:`Tagged`).
 
     Args:
         spec: Dataset, tokenizer, settings.
-        parts: The parts to deliver, in order (:meth:`slafload.pipeline.partition.RankShare.parts`).
+        parts: The parts to deliver, in order (:meth:`slafload.pipeline.partition.RankShare.parts`),
+            tagged with the epoch leg each belongs to (no batch spans two legs); untagged
+            parts are one epoch.
         sleep: Waits between read retries; the prefetcher passes one that a stop request
             interrupts.
         observe: Called with each stage's name as it is built; returns the stage to use.
-        epochs: When ``parts`` runs through several epochs back to back, the cells each
-            epoch delivers, in order (no batch spans two epochs); ``None``: one epoch.
     """
     cfg, ds = spec.config, spec.dataset
     tuning = cfg.tuning
@@ -156,6 +156,6 @@ def build_chain(
     s = observe("split", Split(s, tuning.piece_cells, spec.kernels))
     s = observe("rank", RankGenes(s, start=spec.tokens.start, lookahead=1))
     s = observe("tokenize", Tokenize(s, spec.tokens, spec.obs))
-    s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last, epochs=epochs))
+    s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last))
     s = observe("layout", LayOut(s, spec.tokens, spec.kernels))
     return observe("to_torch", ToTorch(s, pin_memory=spec.pin_memory))

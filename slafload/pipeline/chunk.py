@@ -24,7 +24,7 @@ from slafload.errors import InconsistentDataError
 from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline import budget
 from slafload.pipeline.buffers import gather_runs, scratch
-from slafload.pipeline.partition import Part
+from slafload.pipeline.partition import Part, Tagged
 from slafload.pipeline.ranges import RangeSet, expand
 from slafload.pipeline.read import CHECKED_RANGES, Group
 from slafload.pipeline.stage import Stage
@@ -333,9 +333,10 @@ class Transform(Stage[tuple[Part, Chunk]]):
         return part, chunk
 
 
-class Split(Stage[Chunk]):
+class Split(Stage[Tagged[Chunk]]):
     """The output rows ``[part.skip, part.keep)`` of each chunk as pieces of at most
-    ``piece_cells`` cells, in output order.
+    ``piece_cells`` cells, in output order, each tagged with the part's leg (the last piece of
+    a part that ends its leg ends it).
 
     A fetch is the unit of I/O and shuffling; a piece is the unit of ranking and tokenizing,
     which keeps the token arrays small however large a sampler's fetches are.
@@ -346,12 +347,18 @@ class Split(Stage[Chunk]):
     ):
         super().__init__(source)
         self.piece_cells, self.kernels = piece_cells, kernels
-        self._pieces: Iterator[Chunk] = iter(())
+        self._pieces: Iterator[Tagged[Chunk]] = iter(())
 
-    def __next__(self) -> Chunk:
+    def __next__(self) -> Tagged[Chunk]:
         while True:
             piece = next(self._pieces, None)
             if piece is not None:
                 return piece
             part, chunk = next(self.source)
-            self._pieces = split(chunk, part.skip, part.keep, self.piece_cells, self.kernels)
+            self._pieces = self._tagged(part, chunk)
+
+    def _tagged(self, part: Part, chunk: Chunk) -> Iterator[Tagged[Chunk]]:
+        last = len(range(part.skip, part.keep, self.piece_cells)) - 1
+        pieces = split(chunk, part.skip, part.keep, self.piece_cells, self.kernels)
+        for i, piece in enumerate(pieces):
+            yield Tagged(piece, part.leg, part.ends_leg and i == last)

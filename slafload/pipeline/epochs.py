@@ -23,7 +23,6 @@ import hashlib
 import json
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from typing import Any
 from slafload.config import LoaderConfig
 from slafload.errors import LoaderError, StateError
 from slafload.pipeline.chain import ChainSpec, build_chain
-from slafload.pipeline.partition import Part, RankShare, Segment, rank_share
+from slafload.pipeline.partition import Leg, Part, RankShare, Segment, rank_share
 from slafload.samplers.base import bind_batch_size
 from slafload.types import Batch, CellSource, ChunkTransform, Sampler, Tokenizer
 
@@ -143,32 +142,24 @@ class Run:
 
     def _deliver(
         self, span: _Span, sleep: Callable[[float], object]
-    ) -> Iterator[tuple[Batch, _Leg, int]]:
-        """Every batch of ``span``'s chain, with its epoch's leg and the leg's cells so far."""
+    ) -> Iterator[tuple[Batch, Leg, int]]:
+        """Every batch of ``span``'s chain, with the leg it carries and the leg's cells done
+        after it (the batch stage ends each leg, so no batch spans two).
+        """
         spec = self.spec.for_epoch(span.start.epoch)
-        chain = build_chain(spec, span.parts(), sleep=sleep, epochs=span.epoch_cells())
-        leg, done = _Leg(span.start.epoch, (), 0, 0), 0
+        chain = build_chain(spec, span.parts(), sleep=sleep)
+        done: dict[int, int] = {}  # cells delivered of each epoch with batches so far
         with closing(chain):
             for batch in chain:
-                while done == leg.cells:  # the next epoch that delivers anything
-                    leg, done = span.next_leg(), 0
-                done += len(batch["cell_integer_id"])
-                yield batch, leg, done
-        left = (leg.cells - done) + sum(later.cells for later in span.legs)
-        if left:
-            raise LoaderError(
-                f"epoch {leg.epoch} ended {left} cells short of its plan; the stages lost cells"
-            )
-
-
-@dataclass(frozen=True)
-class _Leg:
-    """One epoch of a span: where it starts, and the cells this consumer gets in it."""
-
-    epoch: int
-    history: tuple[Segment, ...]
-    skip: int
-    cells: int
+                assert batch.leg is not None  # the span tags every part
+                done[batch.leg.epoch] = batch.done
+                yield batch.item, batch.leg, batch.done
+        for leg in span.legs:  # an epoch whose parts all vanished reaches no batch stage
+            left = leg.cells - done.get(leg.epoch, 0)
+            if left:
+                raise LoaderError(
+                    f"epoch {leg.epoch} ended {left} cells short of its plan; the stages lost cells"
+                )
 
 
 def build_run(
@@ -218,10 +209,12 @@ class _Span:
     """Consecutive epochs served by one chain, planned lazily and in order.
 
     The chain's read stage pulls :meth:`parts`, which plans each epoch as it comes to it and
-    queues the epoch for the batch stage (:meth:`epoch_cells`: the rows it ends after) and
-    for positions (:meth:`next_leg`). Everything runs on the producer thread. The span stops
-    before ``stop`` (``None``: never) and before any later epoch whose chain would differ
-    (an epoch-aware tokenizer or transform); :attr:`end` is then the first epoch not served.
+    tags its parts with the epoch's :class:`~slafload.pipeline.partition.Leg`, the last part
+    ending it; the batch stage ends each epoch there, and every batch carries its leg to the
+    positions. The span stops before ``stop`` (``None``: never) and before any later epoch
+    whose chain would differ (an epoch-aware tokenizer or transform); :attr:`end` is then the
+    first epoch not served. :attr:`legs` records the epochs planned, for the final check that
+    none lost cells.
     """
 
     def __init__(
@@ -229,12 +222,11 @@ class _Span:
     ):
         self.run, self.start, self.stop = run, start, stop
         self.worker, self.n_workers = worker, n_workers
-        self.rows: deque[int] = deque()
-        self.legs: deque[_Leg] = deque()
+        self.legs: list[Leg] = []
         self.end: int | None = None
 
     def parts(self) -> Iterator[Part]:
-        """The parts of every epoch of the span, in order."""
+        """The parts of every epoch of the span, in order, tagged with their legs."""
         run, cfg = self.run, self.run.spec.config
         epoch, history, skip = self.start.epoch, self.start.history, self.start.cells
         while self.stop is None or epoch < self.stop:
@@ -243,22 +235,11 @@ class _Span:
             share = run.share(epoch, history)
             rows = share.cells(skip, self.worker, self.n_workers)
             kept = rows - rows % cfg.batch_size if cfg.drop_last else rows
-            self.rows.append(rows)
-            self.legs.append(_Leg(epoch, history, skip, kept))
-            yield from share.parts(skip, self.worker, self.n_workers)
+            leg = Leg(epoch, history, skip, rows, kept)
+            self.legs.append(leg)
+            yield from share.parts(skip, self.worker, self.n_workers, leg)
             epoch, history, skip = epoch + 1, (), 0
         self.end = epoch
-
-    def epoch_cells(self) -> Iterator[int]:
-        """Rows of each planned epoch, for the batch stage."""
-        while self.rows:
-            yield self.rows.popleft()
-
-    def next_leg(self) -> _Leg:
-        """The next planned epoch (its parts have been pulled, so it is planned)."""
-        if not self.legs:
-            raise LoaderError("a batch arrived after the last planned epoch")
-        return self.legs.popleft()
 
 
 # -- the resume state ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ the output order of its cells, so the delivered cells, their order and every pos
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -23,7 +24,8 @@ from slafload.types import Fetch
 def split_first(parts: Iterable[Part], cells: int) -> Iterator[Part]:
     """``parts`` with the first one read as its first ``cells`` output rows, then the rest.
 
-    ``cells <= 0``, or a first part delivering at most ``cells`` cells, leaves it whole.
+    ``cells <= 0``, or a first part delivering at most ``cells`` cells, leaves it whole. Both
+    reads carry the first part's leg; the second ends it if the first part did.
     """
     parts = iter(parts)
     first = next(parts, None)
@@ -33,8 +35,10 @@ def split_first(parts: Iterable[Part], cells: int) -> Iterator[Part]:
         yield first
     else:
         order = first.fetch.output_order()
-        yield reading(first.fetch, order[first.skip : first.skip + cells])
-        yield reading(first.fetch, order[first.skip + cells : first.keep])
+        head = reading(first.fetch, order[first.skip : first.skip + cells])
+        rest = reading(first.fetch, order[first.skip + cells : first.keep])
+        yield dataclasses.replace(head, leg=first.leg)
+        yield dataclasses.replace(rest, leg=first.leg, ends_leg=first.ends_leg)
     yield from parts
 
 

@@ -40,6 +40,7 @@ import torch
 from slafload.errors import LayoutError
 from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline.buffers import RowBuffers, fresh
+from slafload.pipeline.partition import Tagged
 from slafload.pipeline.ragged import RAGGED_KEY, Ragged, _builtin, ragged_tokens, unmasked
 from slafload.pipeline.ranking import PendingRank, start_rank
 from slafload.pipeline.stage import Stage
@@ -280,15 +281,16 @@ def check_value_tokens(tokenizer: Tokenizer, dtype: np.dtype) -> None:
         )
 
 
-class LayOut(Stage[dict[str, np.ndarray]]):
+class LayOut(Stage[Tagged[dict[str, np.ndarray]]]):
     """Each batch's token rows in the loader's layout (padded, longest or packed)."""
 
     def __init__(self, source: Any, tokens: TokenStage, kernels: Kernels = NUMPY):
         super().__init__(source)
         self.tokens, self.kernels = tokens, kernels
 
-    def __next__(self) -> dict[str, np.ndarray]:
-        return self.tokens.finish(next(self.source))
+    def __next__(self) -> Tagged[dict[str, np.ndarray]]:
+        batch = next(self.source)
+        return batch.then(self.tokens.finish(batch.item))
 
     def close(self) -> None:
         """Close the stages before, then end the chain's kernels' compile thread (the token

@@ -15,17 +15,26 @@ exactly the cells no rank consumed yet: a checkpoint taken on ``W`` ranks resume
 Units, outermost first: a *fetch* (the sampler's unit of reading and shuffling), a *part* (one
 rank's share of a fetch), a *chunk* (a part's cells in memory), a *piece* (at most
 ``piece_cells`` cells ranked and tokenized at once), a *batch* (``batch_size`` cells).
+
+Positions travel with the items: every part carries the :class:`Leg` (one epoch of the run, as
+this consumer gets it) it belongs to and whether it ends that leg, and its pieces and batches
+carry the same as :class:`Tagged` items, so the batch stage closes an epoch when the piece
+ending its leg arrives and each batch tells where the consumer is once it holds it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from slafload.samplers.base import derive_seed
 from slafload.types import Fetch, Plan
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 
 @dataclass(frozen=True)
@@ -37,17 +46,62 @@ class Segment:
 
 
 @dataclass(frozen=True, eq=False)
+class Leg:
+    """One epoch of a run as one consumer (a rank, or a DataLoader worker) gets it.
+
+    Attributes:
+        epoch: The epoch.
+        history: Its completed (elastic-resume) segments.
+        skip: Cells of the consumer's share delivered before the leg starts (a resumed epoch).
+        rows: Cells its parts deliver.
+        cells: Cells its batches deliver: ``rows``, less the short last batch ``drop_last``
+            drops.
+    """
+
+    epoch: int
+    history: tuple[Segment, ...] = ()
+    skip: int = 0
+    rows: int = 0
+    cells: int = 0
+
+
+@dataclass(frozen=True, eq=False)
 class Part:
     """A rank's share of one fetch: read ``fetch`` and deliver its output rows ``[skip, keep)``.
 
     ``order``, when given, replaces the fetch's seeded shuffle: output row ``j`` is the fetch's
-    read-order cell ``order[j]`` (see :mod:`slafload.pipeline.first_read`).
+    read-order cell ``order[j]`` (see :mod:`slafload.pipeline.first_read`). ``leg`` is the
+    epoch leg the part belongs to (``None``: a chain of one untagged epoch, ended by the end of
+    the parts) and ``ends_leg`` whether it is the leg's last part.
     """
 
     fetch: Fetch
     skip: int
     keep: int
     order: np.ndarray | None = None
+    leg: Leg | None = None
+    ends_leg: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Tagged(Generic[T]):
+    """A piece or a batch on its way through the chain, beside the leg it belongs to.
+
+    Attributes:
+        item: The piece (a chunk, its token work, its rows) or the batch.
+        leg: The part's :attr:`Part.leg`.
+        ends: (pieces) The last piece of its leg: the batch stage ends the epoch after it.
+        done: (batches) Cells of the leg delivered once this batch is.
+    """
+
+    item: T
+    leg: Leg | None = None
+    ends: bool = False
+    done: int = 0
+
+    def then(self, item: U) -> Tagged[U]:
+        """``item`` with this item's tag: what a stage hands on for this one."""
+        return Tagged(item, self.leg, self.ends, self.done)
 
 
 class EpochFetches:
@@ -119,16 +173,20 @@ class RankShare:
         )
         return fetch.sliced(j, start, start + int(self.sizes[j, rank]), seed)
 
-    def parts(self, skip: int = 0, worker: int = 0, n_workers: int = 1) -> Iterator[Part]:
-        """The parts still to deliver, within the quota (lazy).
+    def parts(
+        self, skip: int = 0, worker: int = 0, n_workers: int = 1, leg: Leg | None = None
+    ) -> Iterator[Part]:
+        """The parts still to deliver, within the quota (lazy), each tagged with ``leg`` (the
+        last one ending it).
 
         With ``n_workers > 1`` worker ``worker`` takes every ``n_workers``-th non-empty part,
         and ``skip`` counts the cells *this worker* has delivered: positions are per worker.
         """
         mine, drop, keep = self._mine(skip, worker, n_workers)
-        for j, d, k in zip(mine.tolist(), drop.tolist(), keep.tolist(), strict=True):
-            if d < k:
-                yield Part(self.part(j, self.rank), d, k)
+        live = np.flatnonzero(drop < keep).tolist()
+        for i in live:
+            j, d, k = int(mine[i]), int(drop[i]), int(keep[i])
+            yield Part(self.part(j, self.rank), d, k, None, leg, i == live[-1])
 
     def cells(self, skip: int = 0, worker: int = 0, n_workers: int = 1) -> int:
         """Cells that :meth:`parts` with the same arguments delivers."""

@@ -24,6 +24,7 @@ import polars as pl
 
 from slafload._lance._compat import BackgroundQuery, collect_in_background
 from slafload.pipeline.buffers import scratch
+from slafload.pipeline.partition import Tagged
 from slafload.pipeline.stage import Stage
 from slafload.types import Chunk, RankedChunk
 
@@ -162,7 +163,7 @@ def _value_key(values: np.ndarray) -> tuple[int | None, np.ndarray]:
     return _bits(values), values
 
 
-class RankGenes(Stage[Any]):
+class RankGenes(Stage[Tagged[Any]]):
     """Does each piece's token work ``lookahead`` pieces ahead, on a worker thread.
 
     ``start`` is the token stage's (:mod:`slafload.pipeline.layout`): on the producer it ranks and
@@ -173,24 +174,24 @@ class RankGenes(Stage[Any]):
     order. The first piece goes out before the next is pulled, so the first batch of a run
     waits for nothing else. If pulling the next piece fails, the pieces already started are
     handed on first and the failure is raised after them; a failure of the work itself is
-    raised in its turn.
+    raised in its turn. Each result keeps its piece's tag.
     """
 
     def __init__(
         self,
-        source: Iterator[Chunk],
+        source: Iterator[Tagged[Chunk]],
         *,
         start: Callable[[Chunk], Any] = start_rank,
         lookahead: int = 1,
     ):
         super().__init__(source)
         self.start, self.lookahead = start, lookahead
-        self._pending: list[Future[Any]] = []
+        self._pending: list[tuple[Tagged[Chunk], Future[Any]]] = []
         self._failure: BaseException | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._first = True
 
-    def __next__(self) -> Any:
+    def __next__(self) -> Tagged[Any]:
         ahead = 0 if self._first else self.lookahead
         self._first = False
         while self._failure is None and len(self._pending) <= ahead:
@@ -203,9 +204,10 @@ class RankGenes(Stage[Any]):
                 break
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="slafload-tokens")
-            self._pending.append(self._worker.submit(self.start, piece))
+            self._pending.append((piece, self._worker.submit(self.start, piece.item)))
         if self._pending:
-            return self._pending.pop(0).result()
+            piece, work = self._pending.pop(0)
+            return piece.then(work.result())
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
@@ -216,7 +218,7 @@ class RankGenes(Stage[Any]):
         close the source.
         """
         pending, self._pending = self._pending, []
-        for future in pending:
+        for _, future in pending:
             if not future.cancel() and future.exception() is None:
                 future.result().discard()
         if self._worker is not None:

@@ -3,9 +3,10 @@
 Stages compose by wrapping (torchdata ``nodes`` style, without generators): each takes the
 stage before it, pulls an item at a time in ``__next__`` and ``close()``-s its source when it
 is closed, so clean-up (pending Lance reads, Polars queries in flight) runs from the last
-stage back to the first. Stages know nothing of epochs, positions or threads: the chain is
-built per run of epochs (:mod:`slafload.pipeline.epochs`) and cancellation is checked between items by the
-prefetcher.
+stage back to the first. Stages know nothing of threads, and of epochs only the tag each item
+carries (:class:`~slafload.pipeline.partition.Tagged`: its epoch leg, which the batch stage
+ends, :mod:`slafload.pipeline.epochs` plans and turns into positions); cancellation is checked
+between items by the prefetcher.
 """
 
 from __future__ import annotations

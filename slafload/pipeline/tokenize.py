@@ -19,11 +19,12 @@ from slafload.config import LoaderConfig
 from slafload.kernels import Kernels
 from slafload.pipeline.buffers import RowBuffers
 from slafload.pipeline.layout import HostTokens, TokenStage, check_value_tokens, make_layout
+from slafload.pipeline.partition import Tagged
 from slafload.pipeline.stage import Stage
 from slafload.types import Arrays, Tokenizer
 
 
-class Tokenize(Stage[Arrays]):
+class Tokenize(Stage[Tagged[Arrays]]):
     """Row-aligned arrays of each piece: the tokenizer's, ``cell_integer_id``, obs codes.
 
     Args:
@@ -37,7 +38,7 @@ class Tokenize(Stage[Arrays]):
 
     def __init__(
         self,
-        source: Iterator[Any],
+        source: Iterator[Tagged[Any]],
         tokens: TokenStage,
         obs: Mapping[str, np.ndarray] | None = None,
     ):
@@ -45,13 +46,14 @@ class Tokenize(Stage[Arrays]):
         self.tokens = tokens
         self.obs = dict(obs or {})
 
-    def __next__(self) -> Arrays:
-        arrays, cells = self.tokens.rows(next(self.source))
+    def __next__(self) -> Tagged[Arrays]:
+        piece = next(self.source)
+        arrays, cells = self.tokens.rows(piece.item)
         arrays = dict(arrays)
         arrays["cell_integer_id"] = cells
         for name, codes in self.obs.items():
             arrays[name] = codes[cells]
-        return arrays
+        return piece.then(arrays)
 
 
 def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernels) -> TokenStage:

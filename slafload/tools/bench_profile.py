@@ -66,7 +66,7 @@ def profile_stages(ds, tokenizer_name: str, args, n_batches: int = 400) -> dict[
     cells = 0
     with closing(build_chain(run.spec, run.share(0).parts(), observe=observe)) as chain:
         for batch in itertools.islice(chain, n_batches):
-            cells += len(batch["cell_integer_id"])
+            cells += len(batch.item["cell_integer_id"])
     names, inclusive = list(timed), [t.seconds for t in timed.values()]
     own = np.diff([0.0, *inclusive])
     return {name: float(t) / cells * 1e6 for name, t in zip(names, own, strict=True)}

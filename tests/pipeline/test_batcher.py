@@ -10,6 +10,7 @@ import torch
 
 from slafload import Loader
 from slafload.pipeline.batcher import Batcher, ToTorch, copy_into
+from slafload.pipeline.partition import Tagged
 
 
 def feed(batcher, sizes):
@@ -70,7 +71,8 @@ def test_copy_into_refuses_another_shape_or_dtype():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_pinned_batches_are_page_locked_and_reach_the_device_unchanged(small_slaf):
     arrays = {"input_ids": np.arange(40).reshape(4, 10), "mask": np.ones((4, 10), bool)}
-    (batch,) = ToTorch(iter([arrays]), pin_memory=True)
+    (tagged,) = ToTorch(iter([Tagged(arrays)]), pin_memory=True)
+    batch = tagged.item
     for k, v in batch.items():
         assert v.is_pinned()
         np.testing.assert_array_equal(v.numpy(), arrays[k])

@@ -66,7 +66,8 @@ def test_the_next_fetches_are_read_before_the_current_one_is_computed(
     config = LoaderConfig(chunk_cells=32, tuning=Tuning(read_ahead=read_ahead))
     events: list[tuple[str, int]] = []
     reader = RetryingReader(RecordingReader(ds, events), config.tuning.retry)
-    for piece in pieces(ds, config, reader):
+    for tagged in pieces(ds, config, reader):
+        piece = tagged.item
         np.testing.assert_array_equal(piece.cell_ids // 32, piece.fetch_index)
         events.append(("piece", piece.fetch_index))
     log = [f"{kind} {index}" for kind, index in events]
@@ -141,7 +142,7 @@ def test_a_failure_to_plan_a_later_fetch_comes_after_the_earlier_fetches(small_s
     got = []
     with pytest.raises(RuntimeError, match="planning fetch 2 failed"):
         for piece in pieces(ds, config, reader):
-            got.append(piece.fetch_index)
+            got.append(piece.item.fetch_index)
     assert got == [0, 1]
 
 
@@ -173,7 +174,7 @@ def test_one_function_builds_the_chain_naming_every_stage_in_order(small_slaf):
 
     chain = build_chain(run.spec, run.share(0).parts(), observe=observe)
     assert built == [*STAGES, "to_torch"]
-    first = next(chain)
+    first = next(chain).item
     assert isinstance(first["input_ids"], torch.Tensor) and len(first["cell_integer_id"]) == 32
     chain.close()  # mid-epoch: every stage is closed, from the last back to the first
     assert closed == ["to_torch", *reversed(STAGES)]

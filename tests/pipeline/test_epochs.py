@@ -18,7 +18,7 @@ from slafload.errors import LoaderError
 from slafload.pipeline.batcher import Batches
 from slafload.pipeline.chain import ChainSpec
 from slafload.pipeline.epochs import Delivery, Position, Run
-from slafload.pipeline.partition import RankShare
+from slafload.pipeline.partition import Leg, RankShare, Tagged
 from slafload.samplers import BlockShuffle, ChunkShuffle, Streaming
 from slafload.tokenizers import Geneformer
 from slafload.transforms import LogNormalize
@@ -181,7 +181,7 @@ def test_a_mixture_transform_without_epoch_aware_parts_keeps_the_chain():
 
 @pytest.mark.parametrize(
     ("n_epochs", "error"),
-    [(2, "the stages lost or duplicated cells"), (1, "epoch 0 ended 1 cells short")],
+    [(2, "epoch 0 ended 1 cells short"), (1, "epoch 0 ended 1 cells short")],
 )
 def test_a_chain_that_loses_cells_fails_loudly(small_slaf, monkeypatch, n_epochs, error):
     cells = RankShare.cells  # plan one cell more per epoch than the parts deliver
@@ -191,31 +191,75 @@ def test_a_chain_that_loses_cells_fails_loudly(small_slaf, monkeypatch, n_epochs
         list(run.run(Position()))
 
 
+def test_an_epoch_whose_parts_all_vanish_fails_loudly(small_slaf, monkeypatch):
+    parts = RankShare.parts
+
+    def losing(self, skip=0, worker=0, n_workers=1, leg=None):
+        return (
+            iter(())
+            if leg is not None and leg.epoch == 1
+            else parts(self, skip, worker, n_workers, leg)
+        )
+
+    monkeypatch.setattr(RankShare, "parts", losing)
+    run = make_run(open_dataset(small_slaf), SAMPLERS["chunk"], n_epochs=3)
+    with pytest.raises(LoaderError, match="epoch 1 ended 300 cells short of its plan"):
+        list(run.run(Position()))
+
+
 def rows(n: int, start: int = 0) -> dict[str, np.ndarray]:
     return {"cell_integer_id": np.arange(start, start + n)}
 
 
+def piece(leg: Leg, n: int, start: int = 0, *, ends: bool = False) -> Tagged:
+    return Tagged(rows(n, start), leg, ends)
+
+
+def legs(*planned: int, batch_size: int = 4, drop_last: bool = False) -> list[Leg]:
+    return [Leg(e, (), 0, n, n - n % batch_size if drop_last else n) for e, n in enumerate(planned)]
+
+
 @pytest.mark.parametrize(("drop_last", "sizes"), [(False, [4, 1, 4, 3]), (True, [4, 4])])
 def test_batches_end_every_epoch_where_its_rows_end(drop_last, sizes):
-    pieces = iter([rows(3), rows(2, 3), rows(6, 5), rows(1, 11)])  # epochs of 5, 0 and 7 rows
-    out = list(Batches(pieces, 4, drop_last=drop_last, epochs=iter([5, 0, 7])))
-    assert [len(b["cell_integer_id"]) for b in out] == sizes
-    ids = np.concatenate([b["cell_integer_id"] for b in out])
+    a, _, c = legs(5, 0, 7, drop_last=drop_last)  # epoch 1 has no rows: no piece of it comes
+    pieces = [piece(a, 3), piece(a, 2, 3, ends=True), piece(c, 6, 5), piece(c, 1, 11, ends=True)]
+    out = list(Batches(iter(pieces), 4, drop_last=drop_last))
+    assert [len(b.item["cell_integer_id"]) for b in out] == sizes
+    ids = np.concatenate([b.item["cell_integer_id"] for b in out])
     want = list(range(12))
     assert ids.tolist() == (want if not drop_last else [0, 1, 2, 3, 5, 6, 7, 8])
+    # every batch carries its leg and the leg's cells done after it
+    want_tags = [(0, 4), (0, 5), (2, 4), (2, 7)] if not drop_last else [(0, 4), (2, 4)]
+    assert [(b.leg.epoch, b.done) for b in out] == want_tags
 
 
 def test_batches_pass_over_an_empty_piece_at_an_epoch_end():
-    pieces = iter([rows(5), rows(0, 5), rows(2, 5), rows(0, 7)])
-    out = list(Batches(pieces, 4, epochs=iter([5, 2])))
-    assert [b["cell_integer_id"].tolist() for b in out] == [[0, 1, 2, 3], [4], [5, 6]]
+    a, b = legs(5, 2)
+    pieces = [piece(a, 5), piece(a, 0, 5, ends=True), piece(b, 2, 5), piece(b, 0, 7, ends=True)]
+    out = list(Batches(iter(pieces), 4))
+    assert [b.item["cell_integer_id"].tolist() for b in out] == [[0, 1, 2, 3], [4], [5, 6]]
 
 
-def test_batches_refuse_a_piece_that_crosses_an_epoch_or_comes_after_the_last():
-    with pytest.raises(LoaderError, match="a piece of 3 rows arrived with 2 rows left"):
-        list(Batches(iter([rows(3), rows(3)]), 4, epochs=iter([5, 7])))
+def test_untagged_pieces_are_one_epoch_ended_by_the_end_of_the_stream():
+    out = list(Batches(iter([Tagged(rows(3)), Tagged(rows(3, 3))]), 4))
+    assert [(b.item["cell_integer_id"].tolist(), b.leg, b.done) for b in out] == [
+        ([0, 1, 2, 3], None, 4),
+        ([4, 5], None, 6),
+    ]
+
+
+def test_batches_refuse_pieces_that_lose_or_duplicate_cells_of_their_epoch():
+    a, b = legs(5, 7)
+    with pytest.raises(LoaderError, match="a piece of 3 rows arrived with 2 rows left in epoch 0"):
+        list(Batches(iter([piece(a, 3), piece(a, 3, ends=True)]), 4))
     with pytest.raises(LoaderError, match="2 rows arrived after the last planned epoch"):
-        list(Batches(iter([rows(3), rows(2)]), 4, epochs=iter([3])))
+        list(Batches(iter([piece(a, 5, ends=True), piece(a, 2)]), 4))
+    with pytest.raises(LoaderError, match="epoch 0 ended 2 cells short of its plan"):
+        list(Batches(iter([piece(a, 3, ends=True)]), 4))
+    with pytest.raises(LoaderError, match="epoch 0 ended 2 cells short of its plan"):
+        list(Batches(iter([piece(a, 3), piece(b, 7, ends=True)]), 4))  # its end never came
+    with pytest.raises(LoaderError, match="epoch 1 ended 1 cells short of its plan"):
+        list(Batches(iter([piece(a, 5, ends=True), piece(b, 6)]), 4))  # the stream ended
 
 
 def test_one_factory_builds_a_datasets_run_from_the_loaders_settings_alone(tmp_path):

@@ -106,11 +106,14 @@ def test_rank_stage_works_ahead_on_a_worker_and_raises_failures_in_their_turn():
             raise ValueError("piece 2")
         return piece * 10
 
-    stage = RankGenes(iter([1, 2, 3]), start=start, lookahead=1)
-    assert next(stage) == 10
+    from slafload.pipeline.partition import Tagged
+
+    stage = RankGenes(iter([Tagged(1), Tagged(2), Tagged(3, ends=True)]), start=start, lookahead=1)
+    assert next(stage).item == 10
     with pytest.raises(ValueError, match="piece 2"):
         next(stage)
-    assert next(stage) == 30
+    last = next(stage)
+    assert (last.item, last.ends) == (30, True)  # the piece's tag travels with its result
     stage.close()
     assert set(threads) and all(name.startswith("slafload-tokens") for name in threads)
     assert not [t for t in threading.enumerate() if t.name.startswith("slafload-tokens")]
