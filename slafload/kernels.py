@@ -1,6 +1,6 @@
 """Compiled versions of the token worker's per-cell loops (optional: numba), numpy otherwise.
 
-The token worker (:class:`~slafload.pipeline.ranking.RankGenes`) bounds scGPT on a small machine, and
+The token worker (:class:`~slafload.pipeline.tokenize.TokenWorker`) bounds scGPT on a small machine, and
 three of its steps are loops over a piece's cells that numpy can only run as one call per cell
 (or per block of cells), holding the GIL between calls: copying each cell's tokens into its
 output row (:func:`~slafload.pipeline.buffers.copy_aligned_runs`), re-padding reused rows

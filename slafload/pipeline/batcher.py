@@ -179,7 +179,7 @@ class ToTorch(Stage[Tagged[Batch]]):
     ``pin_memory``, as copies in page-locked memory (:func:`pinned`); its tag kept beside it.
     """
 
-    def __init__(self, source: Iterator[Tagged[Arrays]], *, pin_memory: bool = False):
+    def __init__(self, source: Iterator[Tagged[NumpyBatch]], *, pin_memory: bool = False):
         super().__init__(source)
         self.pin_memory = pin_memory
 

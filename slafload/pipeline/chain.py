@@ -2,8 +2,11 @@
 
 :func:`build_chain` names every stage in the order data flows through it::
 
-    parts -> Read -> Assemble -> Shuffle -> Transform -> Split -> RankGenes -> Tokenize
-          -> Batches -> LayOut -> ToTorch
+    parts -> Read -> Assemble -> Shuffle -> Transform -> Split
+          -> [token stage: TokenWorker -> Tokenize -> Batches -> LayOut] -> ToTorch
+
+The token stage's four are built by :func:`slafload.pipeline.tokenize.token_stages`, from the
+one :class:`~slafload.pipeline.tokenize.TokenStage` the spec holds.
 
 :class:`~slafload.Loader` (on its prefetch thread), the ``IterableDataset`` face and the
 benchmark's stage profile all run this same function; epochs and positions are the business
@@ -23,22 +26,17 @@ from typing import Any
 from slafload._lance.object_store import StoreOptions
 from slafload.config import LoaderConfig
 from slafload.kernels import Kernels
-from slafload.pipeline.batcher import Batches, ToTorch
+from slafload.pipeline.batcher import ToTorch
 from slafload.pipeline.buffers import BytePool
 from slafload.pipeline.chunk import Assemble, Shuffle, Split, Transform
 from slafload.pipeline.first_read import split_first
-from slafload.pipeline.layout import LayOut, TokenStage
 from slafload.pipeline.partition import Part, Tagged
 from slafload.pipeline.ranges import RangeSet
-from slafload.pipeline.ranking import RankGenes
 from slafload.pipeline.read import Read, RetryingReader
 from slafload.pipeline.reader import COLUMNS, ReadOptions
-from slafload.pipeline.stage import Stage
-from slafload.pipeline.tokenize import Tokenize, make_token_stage
+from slafload.pipeline.stage import Observe, Stage, as_is
+from slafload.pipeline.tokenize import TokenStage, make_token_stage, token_stages
 from slafload.types import Batch, CellSource, ChunkTransform, Tokenizer
-
-Observe = Callable[[str, Stage[Any]], Stage[Any]]
-"""Wraps each stage as it is built, by name (the benchmark times stages this way)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,16 +96,12 @@ def _bind_epoch(stage: Any, epoch: int) -> Any:
     return stage if bind is None else bind(epoch)
 
 
-def _as_is(name: str, stage: Stage[Any]) -> Stage[Any]:
-    return stage
-
-
 def build_chain(
     spec: ChainSpec,
     parts: Iterator[Part],
     *,
     sleep: Callable[[float], object] = time.sleep,
-    observe: Observe = _as_is,
+    observe: Observe = as_is,
 ) -> Stage[Tagged[Batch]]:
     """The stages that turn ``parts`` (a rank's share of one or more epochs) into torch batches,
     each beside its epoch leg and the leg's cells done after it (:class:`Tagged`).
@@ -154,8 +148,8 @@ def build_chain(
     s = observe("shuffle", Shuffle(s))
     s = observe("transform", Transform(s, spec.transforms))
     s = observe("split", Split(s, tuning.piece_cells, spec.kernels))
-    s = observe("rank", RankGenes(s, start=spec.tokens.start, lookahead=1))
-    s = observe("tokenize", Tokenize(s, spec.tokens, spec.obs))
-    s = observe("batch", Batches(s, cfg.batch_size, drop_last=cfg.drop_last))
-    s = observe("layout", LayOut(s, spec.tokens, spec.kernels))
+    s = token_stages(
+        s, spec.tokens, obs=spec.obs, batch_size=cfg.batch_size, drop_last=cfg.drop_last,
+        kernels=spec.kernels, observe=observe,
+    )  # fmt: skip
     return observe("to_torch", ToTorch(s, pin_memory=spec.pin_memory))

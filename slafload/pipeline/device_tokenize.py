@@ -1,8 +1,8 @@
 """Tokenizing on the training device: ``Loader(tokenize_on="device")``.
 
-The producer thread only reads, shuffles and cuts batches; per batch it ships each cell's
-sparse expression (gene ids ``int32`` and values, a few bytes per non-zero, zeros dropped, in
-output order) plus a few per-cell offsets. The consumer moves that to the loader's device and
+The producer only reads, shuffles and cuts batches (its token worker gathers each piece's
+expressed entries); per batch it ships each cell's sparse expression (gene ids ``int32`` and
+values, a few bytes per non-zero, zeros dropped, in output order) plus a few per-cell offsets. The consumer moves that to the loader's device and
 there ranks (value descending, gene id ascending), bins (scGPT) and lays out the tokens with
 torch ops: the padded token arrays, often ten times the bytes, are born on the device.
 
@@ -33,17 +33,6 @@ from slafload.tokenizers import CLS, GENE_OFFSET, PAD, SEP, Geneformer, Raw, ScG
 from slafload.types import Chunk
 
 _CSR = ("csr_genes", "csr_values", "csr_indptr", "csr_out_offsets", "csr_sizes")
-
-
-@dataclass(frozen=True)
-class Ready:
-    """A piece needing no work before its turn (ranking happens on the device)."""
-
-    piece: Chunk
-
-    def discard(self) -> None:
-        """Nothing to release: no work was started."""
-        pass
 
 
 @dataclass(frozen=True)
@@ -84,7 +73,7 @@ class _Spec:
 
 @dataclass(frozen=True, eq=False)
 class DeviceTokens:
-    """The token stage of ``tokenize_on="device"`` (see :mod:`slafload.pipeline.layout`)."""
+    """The token stage of ``tokenize_on="device"`` (see :mod:`slafload.pipeline.tokenize`)."""
 
     tokenizer: Tokenizer
     layout: Layout
@@ -93,13 +82,11 @@ class DeviceTokens:
     def __post_init__(self) -> None:
         object.__setattr__(self, "spec", _Spec.of(self.tokenizer))
 
-    def start(self, piece: Chunk) -> Ready:
-        """Hand the piece on untouched; ranking happens on the device."""
-        return Ready(piece)
-
-    def rows(self, pending: Ready) -> tuple[Arrays, np.ndarray]:
-        """The piece's expressed entries in output order, as ragged rows."""
-        c = pending.piece
+    def rows(self, piece: Chunk) -> tuple[Arrays, np.ndarray]:
+        """The piece's expressed entries in output order, as ragged rows (ranking happens on
+        the device).
+        """
+        c = piece
         genes, values, lengths = c.genes, c.values, c.lengths
         if not np.array_equal(c.order, np.arange(c.n_cells)):
             lengths = lengths[c.order]

@@ -1,4 +1,4 @@
-"""Stage 6b: lay out each batch's token rows: padded, padded to the longest cell, or packed.
+"""Lay out each batch's token rows: padded, padded to the longest cell, or packed.
 
 ``Loader(layout=...)`` picks one of three :class:`Layout` strategies; a batch is always
 ``batch_size`` cells, only the shape of its token streams changes:
@@ -20,43 +20,26 @@ Per-cell arrays (``cell_integer_id``, obs codes, raw ``lengths``) are the same i
 layout. ``token_dtype="int32"`` makes every integer token stream (and ``position_ids``)
 ``int32``; ``cu_seqlens`` is always ``int32``, per-cell arrays stay ``int64``.
 
-The producer side of tokenizing is a *token stage* with four steps, so any chain of stages
-can call it: ``start(piece)`` does the work on a piece that can run ahead of its turn (ranking
-and tokenizing, on the rank stage's worker thread),
-``rows(pending)`` returns the piece's row-aligned arrays and output cell ids, ``finish(batch)``
-lays out one batch's rows, and ``consume(batch, device)`` is the consumer's last step (a move
-to the device here; tokenizing there for :mod:`slafload.pipeline.device_tokenize`).
+A layout is applied by the loader's token stage (:mod:`slafload.pipeline.tokenize`): its
+``piece`` step to each tokenized piece, its ``finish`` step to each batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from slafload.errors import LayoutError
-from slafload.kernels import NUMPY, Kernels
-from slafload.pipeline.buffers import RowBuffers, fresh
-from slafload.pipeline.partition import Tagged
-from slafload.pipeline.ragged import RAGGED_KEY, Ragged, _builtin, ragged_tokens, unmasked
-from slafload.pipeline.ranking import PendingRank, start_rank
-from slafload.pipeline.stage import Stage
+from slafload.pipeline.buffers import fresh
+from slafload.pipeline.ragged import RAGGED_KEY, Ragged, unmasked
 from slafload.tokenizers import ScGPT
-from slafload.types import Chunk, RankedChunk, Tokenizer
+from slafload.types import Tokenizer
 
 INT64 = np.dtype(np.int64)
 ROW_TOKENS = "_row_tokens"  # a piece's per-row token counts, carried to the longest layout
 Arrays = dict[str, Any]  # row-aligned numpy arrays, and at most one Ragged under RAGGED_KEY
-
-
-class Pending(Protocol):
-    """Work started on a piece: :meth:`discard` must be called if it is never collected."""
-
-    def discard(self) -> None:
-        """Release the work if it will never be collected."""
 
 
 class Layout(Protocol):
@@ -180,93 +163,6 @@ def _split(batch: Arrays) -> tuple[dict[str, np.ndarray], Ragged]:
     return {k: v for k, v in batch.items() if k != RAGGED_KEY}, batch[RAGGED_KEY]
 
 
-class TokenStage(Protocol):
-    """The producer's tokenizing steps and the consumer's last step (see the module doc)."""
-
-    def start(self, piece: Chunk) -> Pending:
-        """Start the work on a piece (ranking may run in the background)."""
-
-    def rows(self, pending: Any) -> tuple[Arrays, np.ndarray]:
-        """Collect started work: the token rows and their output cell ids."""
-
-    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
-        """One batch's rows as its output numpy arrays."""
-
-    def consume(
-        self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
-    ) -> dict[str, torch.Tensor]:
-        """The consumer's last step: the batch's tensors, on ``device``."""
-
-
-@dataclass(frozen=True, eq=False)
-class Tokenized:
-    """A piece ranked and tokenized ahead of its turn: its rows and output cell ids."""
-
-    arrays: Arrays
-    cells: np.ndarray
-
-    def discard(self) -> None:
-        """Nothing runs in the background: nothing to wait for."""
-
-
-@dataclass(frozen=True, eq=False)
-class HostTokens:
-    """Rank and tokenize with numpy, on the worker thread of :class:`~slafload.pipeline.ranking.RankGenes`
-    (Polars' threads rank float64 values).
-
-    The built-in tokenizers write padded rows into arrays reused from piece to piece once the
-    consumer has released every batch viewing them (:mod:`slafload.pipeline.buffers`), and run their
-    per-cell loops through ``kernels`` (:mod:`slafload.kernels`).
-    """
-
-    tokenizer: Tokenizer
-    layout: Layout
-    buffers: RowBuffers = field(default_factory=RowBuffers)
-    kernels: Kernels = NUMPY
-
-    def start(self, piece: Chunk) -> Tokenized:
-        """Rank and tokenize ``piece`` (on :class:`~slafload.pipeline.ranking.RankGenes`' worker)."""
-        return Tokenized(*self._tokenize(start_rank(piece).result()))
-
-    def rows(self, pending: Tokenized | PendingRank) -> tuple[Arrays, np.ndarray]:
-        """The rows of a started piece; a bare ranking is tokenized now."""
-        if isinstance(pending, Tokenized):
-            return pending.arrays, pending.cells
-        return self._tokenize(pending.result())
-
-    def _tokenize(self, ranked: RankedChunk) -> tuple[Arrays, np.ndarray]:
-        dtype = self.layout.token_dtype
-        if self.layout.ragged:
-            arrays = self.layout.piece(ragged_tokens(self.tokenizer, ranked, dtype, self.kernels))
-        else:
-            if _builtin(self.tokenizer) is not None:
-                builtin: Any = self.tokenizer  # takes the per-loader buffers and kernels
-                arrays = dict(builtin(ranked, buffers=self.buffers, kernels=self.kernels))
-            else:
-                arrays = dict(self.tokenizer(ranked))
-            if dtype != np.int64:
-                arrays = {k: _narrow(v, dtype) for k, v in arrays.items()}
-            arrays = self.layout.piece(arrays)
-        return arrays, ranked.output_cell_ids
-
-    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
-        """One batch's rows as the layout's output arrays."""
-        return self.layout.finish(batch)
-
-    def consume(
-        self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
-    ) -> dict[str, torch.Tensor]:
-        """Move the batch's tensors to ``device`` (no copy on the CPU)."""
-        if device is None or device.type == "cpu":
-            return dict(batch)
-        return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
-
-
-def _narrow(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Token rows (2-D ``int64``) in ``dtype``; per-cell arrays unchanged."""
-    return array.astype(dtype) if array.ndim == 2 and array.dtype == np.int64 else array
-
-
 def check_value_tokens(tokenizer: Tokenizer, dtype: np.dtype) -> None:
     """Refuse an scGPT value offset whose tokens ``dtype`` cannot hold (they would wrap)."""
     if not isinstance(tokenizer, ScGPT):
@@ -279,25 +175,3 @@ def check_value_tokens(tokenizer: Tokenizer, dtype: np.dtype) -> None:
             f"tokens {low}..{high} (value_offset {low}, n_bins {tokenizer.n_bins}); use "
             "token_dtype='int64' or a value_offset within that range"
         )
-
-
-class LayOut(Stage[Tagged[dict[str, np.ndarray]]]):
-    """Each batch's token rows in the loader's layout (padded, longest or packed)."""
-
-    def __init__(self, source: Any, tokens: TokenStage, kernels: Kernels = NUMPY):
-        super().__init__(source)
-        self.tokens, self.kernels = tokens, kernels
-
-    def __next__(self) -> Tagged[dict[str, np.ndarray]]:
-        batch = next(self.source)
-        return batch.then(self.tokens.finish(batch.item))
-
-    def close(self) -> None:
-        """Close the stages before, then end the chain's kernels' compile thread (the token
-        worker and the producer have stopped by then, so nothing starts a new one; the read
-        threads never do).
-        """
-        try:
-            super().close()
-        finally:
-            self.kernels.close()

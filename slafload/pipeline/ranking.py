@@ -1,4 +1,5 @@
-"""Stage 5: rank each cell's genes by expression.
+"""Rank each cell's genes by expression: the token stage's first step
+(:mod:`slafload.pipeline.tokenize`).
 
 (Gene *ranking*; the partition of epochs among distributed ranks is :mod:`slafload.pipeline.partition`.)
 
@@ -14,18 +15,13 @@ The result keeps the chunk's CSR layout, so a cell's ranked genes are contiguous
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import pairwise
-from typing import Any
 
 import numpy as np
 import polars as pl
 
 from slafload._lance._compat import BackgroundQuery, collect_in_background
 from slafload.pipeline.buffers import scratch
-from slafload.pipeline.partition import Tagged
-from slafload.pipeline.stage import Stage
 from slafload.types import Chunk, RankedChunk
 
 
@@ -161,67 +157,3 @@ def _value_key(values: np.ndarray) -> tuple[int | None, np.ndarray]:
         as_int = values.view(np.uint32 if values.dtype.itemsize == 4 else np.uint16)
         return values.dtype.itemsize * 8, as_int
     return _bits(values), values
-
-
-class RankGenes(Stage[Tagged[Any]]):
-    """Does each piece's token work ``lookahead`` pieces ahead, on a worker thread.
-
-    ``start`` is the token stage's (:mod:`slafload.pipeline.layout`): on the producer it ranks and
-    tokenizes the piece, for device tokenizing it only packs the piece's CSR. It runs on one
-    worker thread owned by this stage, so piece ``i + 1`` is ranked and tokenized while this
-    thread cuts piece ``i`` into batches and assembles the next chunk (numpy releases the GIL
-    in its bulk work: both cores work; measured in docs/benchmarks.md). Results come back in
-    order. The first piece goes out before the next is pulled, so the first batch of a run
-    waits for nothing else. If pulling the next piece fails, the pieces already started are
-    handed on first and the failure is raised after them; a failure of the work itself is
-    raised in its turn. Each result keeps its piece's tag.
-    """
-
-    def __init__(
-        self,
-        source: Iterator[Tagged[Chunk]],
-        *,
-        start: Callable[[Chunk], Any] = start_rank,
-        lookahead: int = 1,
-    ):
-        super().__init__(source)
-        self.start, self.lookahead = start, lookahead
-        self._pending: list[tuple[Tagged[Chunk], Future[Any]]] = []
-        self._failure: BaseException | None = None
-        self._worker: ThreadPoolExecutor | None = None
-        self._first = True
-
-    def __next__(self) -> Tagged[Any]:
-        ahead = 0 if self._first else self.lookahead
-        self._first = False
-        while self._failure is None and len(self._pending) <= ahead:
-            try:
-                piece = next(self.source)
-            except StopIteration:
-                break
-            except Exception as exc:  # deliver what was read before the failure, then raise
-                self._failure = exc
-                break
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="slafload-tokens")
-            self._pending.append((piece, self._worker.submit(self.start, piece.item)))
-        if self._pending:
-            piece, work = self._pending.pop(0)
-            return piece.then(work.result())
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise failure
-        raise StopIteration
-
-    def close(self) -> None:
-        """Wait out the work in flight (Polars must never send to nobody), end the worker,
-        close the source.
-        """
-        pending, self._pending = self._pending, []
-        for _, future in pending:
-            if not future.cancel() and future.exception() is None:
-                future.result().discard()
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
-        super().close()

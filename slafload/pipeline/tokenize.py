@@ -1,59 +1,137 @@
-"""Stage 6: tokenize each ranked piece, and attach its cell ids and obs codes.
+"""The token stage: ranking, tokenizing, batching and layout of every piece, in one place.
 
-The token stage (:mod:`slafload.pipeline.layout`: the tokenizer, a :class:`~slafload.types.Tokenizer`
-from :mod:`slafload.tokenizers`, in the loader's layout and placement) turns a whole piece
-into row-aligned arrays in one vectorized pass; this stage adds ``cell_integer_id`` and the
-requested obs columns as ``int64`` codes, row for row. :func:`make_token_stage` picks the
-token stage the loader's config asks for: on the host, or on the training device
-(:mod:`slafload.pipeline.device_tokenize`).
+A loader's token work is one :class:`TokenStage`, picked by :func:`make_token_stage` from the
+loader's config (on the host, :class:`HostTokens`; on the training device,
+:class:`~slafload.pipeline.device_tokenize.DeviceTokens`), and it is entered once on each side:
+
+- on the producer, :func:`token_stages` builds the chain's token work from it, four stages
+  named as the benchmark's stage profile names them: ``rank`` (:class:`TokenWorker`:
+  :meth:`TokenStage.rows` of each piece, one piece ahead on a thread of its own), ``tokenize``
+  (:class:`Tokenize`: ``cell_integer_id`` and obs codes beside the rows), ``batch``
+  (:class:`~slafload.pipeline.batcher.Batches`) and ``layout`` (:class:`LayOut`:
+  :meth:`TokenStage.finish` of each batch, in the loader's layout, :mod:`slafload.pipeline.layout`);
+- on the consumer, :meth:`TokenStage.consume` is the last step of every batch: a move to the
+  device, and for :mod:`slafload.pipeline.device_tokenize` the tokenizing itself.
+
+Every piece and batch keeps its tag (:class:`~slafload.pipeline.partition.Tagged`) through
+these stages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
+import torch
 
 from slafload.config import LoaderConfig
-from slafload.kernels import Kernels
+from slafload.kernels import NUMPY, Kernels
+from slafload.pipeline.batcher import Batches
 from slafload.pipeline.buffers import RowBuffers
-from slafload.pipeline.layout import HostTokens, TokenStage, check_value_tokens, make_layout
+from slafload.pipeline.layout import Arrays, Layout, check_value_tokens, make_layout
 from slafload.pipeline.partition import Tagged
-from slafload.pipeline.stage import Stage
-from slafload.types import Arrays, Tokenizer
+from slafload.pipeline.ragged import _builtin, ragged_tokens
+from slafload.pipeline.ranking import rank
+from slafload.pipeline.stage import Observe, Stage, as_is
+from slafload.types import Chunk, RankedChunk, Tokenizer
 
 
-class Tokenize(Stage[Tagged[Arrays]]):
-    """Row-aligned arrays of each piece: the tokenizer's, ``cell_integer_id``, obs codes.
+class TokenStage(Protocol):
+    """A loader's token work: two producer steps and the consumer's last step."""
+
+    def rows(self, piece: Chunk) -> tuple[Arrays, np.ndarray]:
+        """A piece's token rows and their output cell ids (on the token worker)."""
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as its output numpy arrays (on the producer)."""
+
+    def consume(
+        self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
+    ) -> dict[str, torch.Tensor]:
+        """The consumer's last step: the batch's tensors, on ``device``."""
+
+
+def token_stages(
+    pieces: Iterator[Tagged[Chunk]],
+    tokens: TokenStage,
+    *,
+    obs: Mapping[str, Any],
+    batch_size: int,
+    drop_last: bool,
+    kernels: Kernels = NUMPY,
+    observe: Observe = as_is,
+) -> Stage[Tagged[dict[str, np.ndarray]]]:
+    """The producer's token work on ``pieces``: rank -> tokenize -> batch -> layout.
 
     Args:
-        source: Pieces whose token work was started (:class:`~slafload.pipeline.ranking.RankGenes`).
-        tokens: The token stage that started them; it completes them here.
-        obs: Obs column name to ``int64`` code per cell id, added to every batch: an array,
-            or anything indexable by an ``int64`` array of cell ids (a mixture's lookups).
-            They are written after ``cell_integer_id``, so a mixture's ``cell_integer_id``
-            column replaces its global cell ids by ids within each source.
+        pieces: Tagged pieces (:class:`~slafload.pipeline.chunk.Split`).
+        tokens: The loader's token stage.
+        obs: Obs column name to ``int64`` code per cell id (see :class:`Tokenize`).
+        batch_size: Rows per batch.
+        drop_last: Drop each epoch's short last batch.
+        kernels: The chain's compiled kernels; the layout stage closes them.
+        observe: Called with each stage's name as it is built; returns the stage to use.
+    """
+    s: Stage[Any] = observe("rank", TokenWorker(pieces, tokens.rows, lookahead=1))
+    s = observe("tokenize", Tokenize(s, obs))
+    s = observe("batch", Batches(s, batch_size, drop_last=drop_last))
+    return observe("layout", LayOut(s, tokens.finish, kernels))
+
+
+@dataclass(frozen=True, eq=False)
+class HostTokens:
+    """Rank and tokenize with numpy, on the token worker (:class:`TokenWorker`; Polars'
+    threads rank float64 values).
+
+    The built-in tokenizers write padded rows into arrays reused from piece to piece once the
+    consumer has released every batch viewing them (:mod:`slafload.pipeline.buffers`), and run their
+    per-cell loops through ``kernels`` (:mod:`slafload.kernels`).
     """
 
-    def __init__(
-        self,
-        source: Iterator[Tagged[Any]],
-        tokens: TokenStage,
-        obs: Mapping[str, np.ndarray] | None = None,
-    ):
-        super().__init__(source)
-        self.tokens = tokens
-        self.obs = dict(obs or {})
+    tokenizer: Tokenizer
+    layout: Layout
+    buffers: RowBuffers = field(default_factory=RowBuffers)
+    kernels: Kernels = NUMPY
 
-    def __next__(self) -> Tagged[Arrays]:
-        piece = next(self.source)
-        arrays, cells = self.tokens.rows(piece.item)
-        arrays = dict(arrays)
-        arrays["cell_integer_id"] = cells
-        for name, codes in self.obs.items():
-            arrays[name] = codes[cells]
-        return piece.then(arrays)
+    def rows(self, piece: Chunk) -> tuple[Arrays, np.ndarray]:
+        """Rank and tokenize ``piece``."""
+        return self.tokenize(rank(piece))
+
+    def tokenize(self, ranked: RankedChunk) -> tuple[Arrays, np.ndarray]:
+        """The token rows of a ranked piece, in the layout's dtype and piece form."""
+        dtype = self.layout.token_dtype
+        if self.layout.ragged:
+            arrays = self.layout.piece(ragged_tokens(self.tokenizer, ranked, dtype, self.kernels))
+        else:
+            if _builtin(self.tokenizer) is not None:
+                builtin: Any = self.tokenizer  # takes the per-loader buffers and kernels
+                arrays = dict(builtin(ranked, buffers=self.buffers, kernels=self.kernels))
+            else:
+                arrays = dict(self.tokenizer(ranked))
+            if dtype != np.int64:
+                arrays = {k: _narrow(v, dtype) for k, v in arrays.items()}
+            arrays = self.layout.piece(arrays)
+        return arrays, ranked.output_cell_ids
+
+    def finish(self, batch: Arrays) -> dict[str, np.ndarray]:
+        """One batch's rows as the layout's output arrays."""
+        return self.layout.finish(batch)
+
+    def consume(
+        self, batch: Mapping[str, torch.Tensor], device: torch.device | None, non_blocking: bool
+    ) -> dict[str, torch.Tensor]:
+        """Move the batch's tensors to ``device`` (no copy on the CPU)."""
+        if device is None or device.type == "cpu":
+            return dict(batch)
+        return {k: v.to(device, non_blocking=non_blocking) for k, v in batch.items()}
+
+
+def _narrow(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Token rows (2-D ``int64``) in ``dtype``; per-cell arrays unchanged."""
+    return array.astype(dtype) if array.ndim == 2 and array.dtype == np.int64 else array
 
 
 def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernels) -> TokenStage:
@@ -72,3 +150,117 @@ def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernel
         RowBuffers(rows=config.tuning.piece_cells),
         kernels,
     )
+
+
+class TokenWorker(Stage[Tagged[Any]]):
+    """Does each piece's token work (``work``: :meth:`TokenStage.rows`) ``lookahead`` pieces
+    ahead, on a worker thread.
+
+    The worker thread is owned by this stage, so piece ``i + 1`` is ranked and tokenized while
+    the producer cuts piece ``i`` into batches and assembles the next chunk (numpy releases the
+    GIL in its bulk work: both cores work; measured in docs/benchmarks.md). Results come back
+    in order, each with its piece's tag. The first piece goes out before the next is pulled,
+    so the first batch of a run waits for nothing else. If pulling the next piece fails, the
+    pieces already started are handed on first and the failure is raised after them; a
+    failure of the work itself is raised in its turn.
+    """
+
+    def __init__(
+        self, source: Iterator[Tagged[Chunk]], work: Callable[[Chunk], Any], *, lookahead: int = 1
+    ):
+        super().__init__(source)
+        self.work, self.lookahead = work, lookahead
+        self._pending: list[tuple[Tagged[Chunk], Future[Any]]] = []
+        self._failure: BaseException | None = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._first = True
+
+    def __next__(self) -> Tagged[Any]:
+        ahead = 0 if self._first else self.lookahead
+        self._first = False
+        while self._failure is None and len(self._pending) <= ahead:
+            try:
+                piece = next(self.source)
+            except StopIteration:
+                break
+            except Exception as exc:  # deliver what was read before the failure, then raise
+                self._failure = exc
+                break
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="slafload-tokens")
+            self._pending.append((piece, self._worker.submit(self.work, piece.item)))
+        if self._pending:
+            piece, work = self._pending.pop(0)
+            return piece.then(work.result())
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        raise StopIteration
+
+    def close(self) -> None:
+        """Wait out the work in flight (Polars must never send to nobody), end the worker,
+        close the source.
+        """
+        pending, self._pending = self._pending, []
+        for _, future in pending:
+            future.cancel()
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+        super().close()
+
+
+class Tokenize(Stage[Tagged[Arrays]]):
+    """Each piece's token rows with ``cell_integer_id`` and the obs codes beside them.
+
+    Args:
+        source: Each piece's token rows and output cell ids (:class:`TokenWorker`).
+        obs: Obs column name to ``int64`` code per cell id, added to every batch: an array,
+            or anything indexable by an ``int64`` array of cell ids (a mixture's lookups).
+            They are written after ``cell_integer_id``, so a mixture's ``cell_integer_id``
+            column replaces its global cell ids by ids within each source.
+    """
+
+    def __init__(
+        self,
+        source: Iterator[Tagged[tuple[Arrays, np.ndarray]]],
+        obs: Mapping[str, np.ndarray] | None = None,
+    ):
+        super().__init__(source)
+        self.obs = dict(obs or {})
+
+    def __next__(self) -> Tagged[Arrays]:
+        piece = next(self.source)
+        rows, cells = piece.item
+        arrays = dict(rows)
+        arrays["cell_integer_id"] = cells
+        for name, codes in self.obs.items():
+            arrays[name] = codes[cells]
+        return piece.then(arrays)
+
+
+class LayOut(Stage[Tagged[dict[str, np.ndarray]]]):
+    """Each batch's token rows in the loader's layout (``finish``: :meth:`TokenStage.finish`)."""
+
+    def __init__(
+        self,
+        source: Iterator[Tagged[Arrays]],
+        finish: Callable[[Arrays], dict[str, np.ndarray]],
+        kernels: Kernels = NUMPY,
+    ):
+        super().__init__(source)
+        self.finish, self.kernels = finish, kernels
+
+    def __next__(self) -> Tagged[dict[str, np.ndarray]]:
+        batch = next(self.source)
+        return batch.then(self.finish(batch.item))
+
+    def close(self) -> None:
+        """Close the stages before, then end the chain's kernels' compile thread (the token
+        worker and the producer have stopped by then, so nothing starts a new one; the read
+        threads never do).
+        """
+        try:
+            super().close()
+        finally:
+            self.kernels.close()

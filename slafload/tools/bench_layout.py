@@ -34,9 +34,8 @@ from slafload.pipeline.batcher import Batcher
 from slafload.pipeline.chunk import assemble, shuffle
 from slafload.pipeline.ranking import rank
 from slafload.pipeline.reader import Reader
-from slafload.pipeline.tokenize import make_token_stage
+from slafload.pipeline.tokenize import HostTokens, make_token_stage
 from slafload.tokenizers import make_tokenizer
-from slafload.types import RankedChunk
 
 LAYOUTS = ("padded", "longest", "packed")
 PLACEMENTS = ("producer", "device")
@@ -97,16 +96,6 @@ def consumer_cost(
     }
 
 
-class _Ranked:
-    """An already ranked piece, in the shape a token stage collects it."""
-
-    def __init__(self, ranked: RankedChunk):
-        self._ranked = ranked
-
-    def result(self) -> RankedChunk:
-        return self._ranked
-
-
 def producer_cost(
     ds: slafload.SlafDataset,
     tokenizer: str,
@@ -143,9 +132,13 @@ def producer_cost(
             best = [float("inf")] * 3
             for _ in range(repeats):
                 t0 = time.perf_counter()
-                pending = stage.start(chunk) if tokenize_on == "device" else _Ranked(rank(chunk))
-                t1 = time.perf_counter()
-                arrays, cell_ids = stage.rows(pending)
+                if isinstance(stage, HostTokens):  # the device ranks on the device
+                    ranked = rank(chunk)
+                    t1 = time.perf_counter()
+                    arrays, cell_ids = stage.tokenize(ranked)
+                else:
+                    t1 = time.perf_counter()
+                    arrays, cell_ids = stage.rows(chunk)
                 arrays["cell_integer_id"] = cell_ids
                 t2 = time.perf_counter()
                 batcher = Batcher(batch_size)

@@ -89,31 +89,3 @@ def test_key_sort_ranks_exactly_as_the_polars_window_for_every_dtype(monkeypatch
             assert same_dtype and np.array_equal(a, b), (gene_type, value_type, name)
         keyed = rank_by_keys(np.array([0, 2]), np.array([1, 2], gene_type), np.ones(2, value_type))
         assert (keyed is None) == (value_type == np.float64)
-
-
-def test_rank_stage_works_ahead_on_a_worker_and_raises_failures_in_their_turn():
-    import threading
-
-    import pytest
-
-    from slafload.pipeline.ranking import RankGenes
-
-    threads = []
-
-    def start(piece):
-        threads.append(threading.current_thread().name)
-        if piece == 2:
-            raise ValueError("piece 2")
-        return piece * 10
-
-    from slafload.pipeline.partition import Tagged
-
-    stage = RankGenes(iter([Tagged(1), Tagged(2), Tagged(3, ends=True)]), start=start, lookahead=1)
-    assert next(stage).item == 10
-    with pytest.raises(ValueError, match="piece 2"):
-        next(stage)
-    last = next(stage)
-    assert (last.item, last.ends) == (30, True)  # the piece's tag travels with its result
-    stage.close()
-    assert set(threads) and all(name.startswith("slafload-tokens") for name in threads)
-    assert not [t for t in threading.enumerate() if t.name.startswith("slafload-tokens")]

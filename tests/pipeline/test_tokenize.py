@@ -1,0 +1,72 @@
+"""The token stage: one producer entry builds rank -> tokenize -> batch -> layout from the
+loader's TokenStage, whose work runs ahead on a worker of its own, tags kept."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from slafload import open_dataset
+from slafload.config import LoaderConfig
+from slafload.kernels import Kernels
+from slafload.pipeline.chunk import assemble
+from slafload.pipeline.partition import Leg, Tagged
+from slafload.pipeline.reader import Reader
+from slafload.pipeline.tokenize import TokenWorker, make_token_stage, token_stages
+from slafload.samplers import Streaming
+from slafload.tokenizers import Geneformer
+
+
+def test_the_token_worker_works_ahead_and_raises_failures_in_their_turn():
+    threads = []
+
+    def work(piece):
+        threads.append(threading.current_thread().name)
+        if piece == 2:
+            raise ValueError("piece 2")
+        return piece * 10
+
+    stage = TokenWorker(iter([Tagged(1), Tagged(2), Tagged(3, ends=True)]), work, lookahead=1)
+    assert next(stage).item == 10
+    with pytest.raises(ValueError, match="piece 2"):
+        next(stage)
+    last = next(stage)
+    assert (last.item, last.ends) == (30, True)  # the piece's tag travels with its result
+    stage.close()
+    assert set(threads) and all(name.startswith("slafload-tokens") for name in threads)
+    assert not [t for t in threading.enumerate() if t.name.startswith("slafload-tokens")]
+
+
+def test_one_entry_builds_the_token_work_and_batches_each_leg(small_slaf):
+    ds = open_dataset(small_slaf)
+    config = LoaderConfig(batch_size=16, max_genes=8)
+    kernels = Kernels(config.kernels)
+    tokens = make_token_stage(Geneformer(max_genes=8), config, kernels)
+    plan = Streaming(chunk_cells=50).plan(ds.n_cells, seed=0, epoch=0)
+    fetches = [plan[0], plan[1]]
+    leg = Leg(0, (), 0, rows=100, cells=100)
+    pieces = []
+    for i, fetch in enumerate(fetches):
+        chunk = assemble(fetch, Reader(ds).read(fetch), ds.cell_start)
+        pieces.append(Tagged(chunk, leg, ends=i == 1))
+    built = []
+
+    def observe(name, stage):
+        built.append(name)
+        return stage
+
+    stages = token_stages(
+        iter(pieces), tokens, obs={}, batch_size=16, drop_last=False, kernels=kernels,
+        observe=observe,
+    )  # fmt: skip
+    out = list(stages)
+    stages.close()
+    assert built == ["rank", "tokenize", "batch", "layout"]
+    assert [len(b.item["cell_integer_id"]) for b in out] == [16] * 6 + [4]
+    assert [b.done for b in out] == [16, 32, 48, 64, 80, 96, 100]
+    assert all(b.leg is leg for b in out)
+    ids = np.concatenate([b.item["cell_integer_id"] for b in out])
+    np.testing.assert_array_equal(ids, np.arange(100))
+    assert out[0].item["input_ids"].shape == (16, 8)
