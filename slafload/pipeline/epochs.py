@@ -111,8 +111,7 @@ class Run:
         Every batch, the last one included, carries its position inside ``epoch``.
         """
         span = _Span(self, Position(epoch, skip, history), epoch + 1, worker, n_workers)
-        for batch, leg, done in self._deliver(span, sleep):
-            yield Delivery(batch, Position(leg.epoch, leg.skip + done, leg.history))
+        yield from self._deliver(span, sleep, roll_over=False)
 
     def run(
         self, start: Position, *, sleep: Callable[[float], object] = time.sleep
@@ -132,28 +131,31 @@ class Run:
         position = start
         while not self.complete(position):
             span = _Span(self, position, self.n_epochs)
-            for batch, leg, done in self._deliver(span, sleep):
-                if done == leg.cells:
-                    yield Delivery(batch, Position(leg.epoch + 1))
-                else:
-                    yield Delivery(batch, Position(leg.epoch, leg.skip + done, leg.history))
+            yield from self._deliver(span, sleep, roll_over=True)
             assert span.end is not None and span.end > position.epoch
             position = Position(span.end)
 
     def _deliver(
-        self, span: _Span, sleep: Callable[[float], object]
-    ) -> Iterator[tuple[Batch, Leg, int]]:
-        """Every batch of ``span``'s chain, with the leg it carries and the leg's cells done
-        after it (the batch stage ends each leg, so no batch spans two).
+        self, span: _Span, sleep: Callable[[float], object], *, roll_over: bool
+    ) -> Iterator[Delivery]:
+        """Every batch of ``span``'s chain with its position, computed from the leg the batch
+        carries and the leg's cells done after it (the batch stage ends each leg, so no batch
+        spans two). With ``roll_over`` a leg's last batch carries the start of the next epoch.
         """
         spec = self.spec.for_epoch(span.start.epoch)
         chain = build_chain(spec, span.parts(), sleep=sleep)
         done: dict[int, int] = {}  # cells delivered of each epoch with batches so far
         with closing(chain):
             for batch in chain:
-                assert batch.leg is not None  # the span tags every part
-                done[batch.leg.epoch] = batch.done
-                yield batch.item, batch.leg, batch.done
+                leg = batch.leg
+                assert leg is not None  # the span tags every part
+                done[leg.epoch] = batch.done
+                if roll_over and batch.done == leg.cells:
+                    yield Delivery(batch.item, Position(leg.epoch + 1))
+                else:
+                    yield Delivery(
+                        batch.item, Position(leg.epoch, leg.skip + batch.done, leg.history)
+                    )
         for leg in span.legs:  # an epoch whose parts all vanished reaches no batch stage
             left = leg.cells - done.get(leg.epoch, 0)
             if left:
