@@ -191,6 +191,26 @@ def test_a_chain_that_loses_cells_fails_loudly(small_slaf, monkeypatch, n_epochs
         list(run.run(Position()))
 
 
+def test_epochs_that_deliver_nothing_still_move_the_position_on(small_slaf):
+    run = make_run(open_dataset(small_slaf), SAMPLERS["chunk"], drop_last=True)
+    got = list(run.run(Position(0, 295)))  # drop_last eats the 5 cells left of epoch 0
+    assert got[0].after == Position(1, 10)
+    assert [d.after for d in got if d.after.cells == 0] == [Position(2), Position(3)]
+    config = LoaderConfig(batch_size=128, n_epochs=3, seed=5, drop_last=True)
+    spec = ChainSpec(open_dataset(small_slaf), Geneformer(max_genes=8), config)
+    short = Run(spec, SAMPLERS["chunk"], rank=1, world_size=3)  # 100 cells an epoch
+    assert list(short.run(Position())) == [] and short.batches_in_epoch() == 0
+    # a DataLoader worker with no part of the epoch delivers nothing, and ends
+    assert (
+        list(
+            make_run(open_dataset(small_slaf), SAMPLERS["streaming"]).epoch(
+                0, worker=7, n_workers=8
+            )
+        )
+        == []
+    )
+
+
 def test_an_epoch_whose_parts_all_vanish_fails_loudly(small_slaf, monkeypatch):
     parts = RankShare.parts
 
