@@ -144,24 +144,25 @@ class Run:
         """
         spec = self.spec.for_epoch(span.start.epoch)
         chain = build_chain(spec, span.parts(), sleep=sleep)
-        done: dict[int, int] = {}  # cells delivered of each epoch with batches so far
+        last: tuple[Leg | None, int] = (None, 0)  # the last batch's leg and cells done
         with closing(chain):
             for batch in chain:
                 leg = batch.leg
                 assert leg is not None  # the span tags every part
-                done[leg.epoch] = batch.done
+                last = leg, batch.done
+                if batch.done == leg.cells:
+                    span.unfinished.remove(leg)
                 if roll_over and batch.done == leg.cells:
                     yield Delivery(batch.item, Position(leg.epoch + 1))
                 else:
                     yield Delivery(
                         batch.item, Position(leg.epoch, leg.skip + batch.done, leg.history)
                     )
-        for leg in span.legs:  # an epoch whose parts all vanished reaches no batch stage
-            left = leg.cells - done.get(leg.epoch, 0)
-            if left:
-                raise LoaderError(
-                    f"epoch {leg.epoch} ended {left} cells short of its plan; the stages lost cells"
-                )
+        for leg in span.unfinished:  # the batch stage checks every leg but those that vanish
+            left = leg.cells - (last[1] if last[0] is leg else 0)
+            raise LoaderError(
+                f"epoch {leg.epoch} ended {left} cells short of its plan; the stages lost cells"
+            )
 
 
 def build_run(
@@ -215,8 +216,8 @@ class _Span:
     ending it; the batch stage ends each epoch there, and every batch carries its leg to the
     positions. The span stops before ``stop`` (``None``: never) and before any later epoch
     whose chain would differ (an epoch-aware tokenizer or transform); :attr:`end` is then the
-    first epoch not served. :attr:`legs` records the epochs planned, for the final check that
-    none lost cells.
+    first epoch not served. :attr:`unfinished` holds the legs planned with cells and not yet
+    delivered whole, for the final check that no epoch lost cells.
     """
 
     def __init__(
@@ -224,7 +225,7 @@ class _Span:
     ):
         self.run, self.start, self.stop = run, start, stop
         self.worker, self.n_workers = worker, n_workers
-        self.legs: list[Leg] = []
+        self.unfinished: list[Leg] = []
         self.end: int | None = None
 
     def parts(self) -> Iterator[Part]:
@@ -238,7 +239,8 @@ class _Span:
             rows = share.cells(skip, self.worker, self.n_workers)
             kept = rows - rows % cfg.batch_size if cfg.drop_last else rows
             leg = Leg(epoch, history, skip, rows, kept)
-            self.legs.append(leg)
+            if kept:
+                self.unfinished.append(leg)
             yield from share.parts(skip, self.worker, self.n_workers, leg)
             epoch, history, skip = epoch + 1, (), 0
         self.end = epoch
