@@ -149,15 +149,14 @@ class Run:
             for batch in chain:
                 leg = batch.leg
                 assert leg is not None  # the span tags every part
-                last = leg, batch.done
-                if batch.done == leg.cells:
+                last, ends = (leg, batch.done), batch.done == leg.cells
+                if ends:
                     span.unfinished.remove(leg)
-                if roll_over and batch.done == leg.cells:
-                    yield Delivery(batch.item, Position(leg.epoch + 1))
+                if roll_over and ends:
+                    after = Position(leg.epoch + 1)
                 else:
-                    yield Delivery(
-                        batch.item, Position(leg.epoch, leg.skip + batch.done, leg.history)
-                    )
+                    after = Position(leg.epoch, leg.skip + batch.done, leg.history)
+                yield Delivery(batch.item, after)
         for leg in span.unfinished:  # the batch stage checks every leg but those that vanish
             left = leg.cells - (last[1] if last[0] is leg else 0)
             raise LoaderError(
