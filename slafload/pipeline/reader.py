@@ -172,8 +172,7 @@ class Reader:
         Raises:
             ReadError: storage failed; the message names the fetch and its cell ranges.
         """
-        rows = self.row_ranges(fetch)
-        rows = rows[rows[:, 1] > rows[:, 0]]
+        rows = _joined(self.row_ranges(fetch))
         if len(rows) == 0:
             return
         try:
@@ -314,6 +313,22 @@ class Reader:
             _cut([batch], w, int(spans[i, 0]))
             for batch, w, i in zip(started(batches), wanted, which.tolist(), strict=True)
         )
+
+
+def _joined(rows: np.ndarray) -> np.ndarray:
+    """Non-empty row ranges, each run of touching ones joined (a mixed fetch's block may
+    hold the end of one of its source's fetches and the start of the next, adjacent on disk):
+    the same rows in the same order, read as one range where they are one.
+    """
+    rows = rows[rows[:, 1] > rows[:, 0]]
+    if len(rows) < 2:
+        return rows
+    apart = rows[1:, 0] != rows[:-1, 1]
+    if apart.all():
+        return rows
+    first = np.concatenate([[True], apart])
+    last = np.concatenate([apart, [True]])
+    return np.stack([rows[first, 0], rows[last, 1]], axis=1)
 
 
 def started(items: Iterable[T]) -> Iterator[T]:

@@ -45,6 +45,7 @@ elastic resume may mix.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -126,6 +127,7 @@ class MixtureSampler:
         unit = self.batch_size if self.mix == "batch" else 1
         if unit == 1:
             cum = _cumulative(totals, rates, width)
+            cum = _at_fetch_ends(cum, [np.cumsum(w.sizes) for w in windows], self.fetch_cells)
         else:  # whole batches, every stream's last partial batch in a last fetch
             u = np.random.default_rng(derive_seed(seed, epoch, _INTERLEAVE)).random(len(totals))
             batches = 1 << (max(width // unit, 1).bit_length() - 1)  # a power of two
@@ -150,7 +152,7 @@ class MixtureSampler:
 
     def order_settings(self) -> dict[str, object]:
         """The mixture's settings, named apart in a checkpoint's order (refusals name them)."""
-        return {
+        settings: dict[str, object] = {
             "sources": list(self.names),
             "uris": list(self.uris),
             "source_cells": list(self.sizes),
@@ -160,6 +162,10 @@ class MixtureSampler:
             "mix": self.mix if self.mix == "cell" else f"{self.mix}:{self.batch_size}",
             "fetch_cells": self.fetch_cells,
         }
+        if self.mix == "cell":  # cuts moved to the sources' fetch ends (_at_fetch_ends): a
+            # checkpoint whose plan did not move them lacks this, and is refused
+            settings["cuts"] = "source fetch ends"
+        return settings
 
     def __repr__(self) -> str:
         parts = ", ".join(
@@ -328,6 +334,98 @@ def _cumulative(totals: np.ndarray, rates: np.ndarray, width: int) -> np.ndarray
     cum[-1] = totals
     keep = np.diff(cum.sum(axis=1), prepend=0) > 0
     return cum[keep]
+
+
+SHARE_SLACK = 0.03
+"""How far a source's share of a mixed fetch may move from the schedule's so that its block
+ends where one of its own fetches ends (:func:`_at_fetch_ends`)."""
+
+
+def _at_fetch_ends(
+    cum: np.ndarray, ends: Sequence[np.ndarray], fetch_cells: int | None
+) -> np.ndarray:
+    """``cum`` (:func:`_cumulative`) with each source's cuts moved to where its own fetches
+    end, where that keeps the mix.
+
+    A source's stream is its fetches back to back. Once a short fetch (the last of a pass)
+    has shifted the schedule's cuts off the ends of its fetches, every later block of that
+    source would be read as two ranges, the tail of one fetch and the head of the next.
+    Moving a cut that falls inside a fetch to that fetch's start or end (the nearer one
+    first) makes the next block start where a fetch starts, so the blocks after it are one
+    range each again (the fetches of sources whose fetches end alike move together). A cut
+    moves only while every source's share of this mixed fetch and of the next stays within
+    :data:`SHARE_SLACK` of the schedule's, by at most the source's block in this fetch and
+    never past its cut in the next, and while both fetches fit ``fetch_cells``. The last
+    row (the totals) never moves, so every cell still comes once.
+
+    Args:
+        cum: ``int64[n_fetches, n_sources]`` cells of each source taken by each fetch's end.
+        ends: Each source's fetch ends in its stream (``cumsum`` of its window's sizes).
+        fetch_cells: The cap on a mixed fetch's cells, or ``None``.
+    """
+    out, stream_ends = cum.copy(), [e.tolist() for e in ends]
+    before = np.zeros(cum.shape[1], dtype=np.int64)  # where each block of this fetch starts
+    for j in range(len(cum) - 1):
+        ideal = (cum[j] - (cum[j - 1] if j else 0), cum[j + 1] - cum[j])
+        row = cum[j].copy()
+        moves = [
+            _moves(e, int(a), int(c)) for e, a, c in zip(stream_ends, before, row, strict=True)
+        ]
+        nearest = {k: m[0] for k, m in enumerate(moves) if m}
+        together = _moved(row, nearest)
+        if nearest and _keeps_mix(together, before, ideal, cum[j + 1], fetch_cells):
+            row = together
+        else:  # source by source, each to the first of its cuts that keeps the mix
+            for k in nearest:
+                alone = (_moved(row, {k: cut}) for cut in moves[k])
+                row = next(
+                    (m for m in alone if _keeps_mix(m, before, ideal, cum[j + 1], fetch_cells)),
+                    row,
+                )
+        out[j] = before = row
+    return out
+
+
+def _moved(row: np.ndarray, cuts: dict[int, int]) -> np.ndarray:
+    """``row`` with ``row[k] = cuts[k]``."""
+    out = row.copy()
+    out[list(cuts)] = list(cuts.values())
+    return out
+
+
+def _moves(ends: list[int], start: int, cut: int) -> list[int]:
+    """Where a block ``[start, cut)`` of a stream with fetch ends ``ends`` could end instead,
+    nearest first: the start (if after ``start``) and the end of the fetch ``cut`` falls
+    inside, each within one block of ``cut`` (none if ``cut`` is a fetch end).
+    """
+    i = bisect.bisect_right(ends, cut)
+    if i == len(ends) or (i and ends[i - 1] == cut):
+        return []
+    back = ends[i - 1] if i else 0
+    found = [e for e in (back, ends[i]) if start < e and abs(e - cut) <= cut - start]
+    return sorted(found, key=lambda e: abs(e - cut))
+
+
+def _keeps_mix(
+    row: np.ndarray,
+    before: np.ndarray,
+    ideal: tuple[np.ndarray, np.ndarray],
+    following: np.ndarray,
+    fetch_cells: int | None,
+) -> bool:
+    """Whether blocks ``[before, row)`` and ``[row, following)`` (this fetch and the next)
+    hold every source's cells in shares within :data:`SHARE_SLACK` of the schedule's
+    (``ideal``), none negative, and fit ``fetch_cells``.
+    """
+    for got, want in ((row - before, ideal[0]), (following - row, ideal[1])):
+        if (got < 0).any() or (fetch_cells is not None and int(got.sum()) > fetch_cells):
+            return False
+        if (
+            np.abs(got / max(int(got.sum()), 1) - want / max(int(want.sum()), 1)).max()
+            > SHARE_SLACK
+        ):
+            return False
+    return True
 
 
 def _by_units(totals: np.ndarray, rates: np.ndarray, width: int, u: np.ndarray) -> np.ndarray:

@@ -15,6 +15,7 @@ from resume_conformance import assert_resumes_exactly
 
 from slafload import Loader, Mixture, MixtureError, Source, StateError, VocabularyError
 from slafload.data.mixture import MISSING
+from slafload.pipeline.epochs import fingerprint
 from slafload.samplers import BlockShuffle, Streaming
 from slafload.samplers.mixed import quotas
 from slafload.transforms import LogNormalize, Vocabulary
@@ -171,6 +172,22 @@ def test_ranks_get_equal_disjoint_shares_of_a_mixture_without_communication(atla
     assert len({len(s) for s in shares}) == 1
     union = [c for s in shares for c in s]
     assert len(set(union)) == len(union)
+
+
+def test_a_checkpoint_planned_without_cuts_at_fetch_ends_is_refused_unless_replanned(atlases):
+    # a state whose mixed plan did not move cuts to the sources' fetch ends names other cells
+    with mixture_loader(atlases)() as loader:
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert state["order"].pop("cuts") == "source fetch ends"
+    state["fingerprint"] = fingerprint(state["order"])
+    with mixture_loader(atlases)() as loader:
+        with pytest.raises(StateError, match=r"'cuts': \(None, 'source fetch ends'\)"):
+            loader.load_state_dict(state)
+        loader.load_state_dict(state, replan=True)
+        assert loader.position.epoch == 1 and loader.position.cells == 0
 
 
 def test_an_appended_source_or_a_changed_weight_is_refused_on_resume_unless_replanned(

@@ -78,6 +78,18 @@ def test_long_spans_go_through_the_open_file_readers_on_local_files(
     assert len(scans) == scanners
 
 
+def test_touching_ranges_are_read_as_one_scan(dataset, monkeypatch):
+    # a mixed fetch's block may end one of its source's fetches and start the next, adjacent
+    reader, scans = Reader(dataset), []
+    scan = reader._scan
+    monkeypatch.setattr(reader, "_scan", lambda *a: scans.append(a) or scan(*a))
+    fetch = Fetch(0, np.array([[40, 90], [90, 91], [91, 130]], dtype=np.int64))
+    np.testing.assert_array_equal(read_cells(reader, fetch), expected_cells(dataset, fetch))
+    assert [s[:2] for s in scans] == [tuple(dataset.cell_start[[40, 130]].tolist())]
+    batches = list(reader.read(fetch, cell_ids=False))  # checked rows: scanned without ids
+    assert all("cell_integer_id" not in b.schema.names for b in batches)
+
+
 def test_ranges_coalesce_across_short_forward_gaps_only():
     rows = np.array([[0, 5], [7, 9], [100, 110], [50, 60], [60, 61]])
     np.testing.assert_array_equal(coalesce(rows, 2), [0, 0, 1, 2, 2])

@@ -12,8 +12,9 @@ from conftest import run_cells
 from resume_conformance import assert_resumes_exactly
 
 from slafload import Loader, Mixture, MixtureError
-from slafload.samplers import Streaming
+from slafload.samplers import ChunkShuffle, Streaming
 from slafload.samplers.interleave import MixedFetch
+from slafload.samplers.mixed import SHARE_SLACK, MixtureSampler, quotas
 from slafload.synthetic import write_atlas
 
 SMALL = {"n_genes": 40, "mean_nnz": 6, "n_plates": 3}
@@ -152,6 +153,48 @@ def test_what_is_left_of_a_mixed_fetch_counts_repeated_cells_apart():
     left = fetch.without(np.array([5, 21]), 8)
     assert sorted(left.cell_ids().tolist()) == [5, 6, 20]
     assert left.counts.tolist() == [2, 1]
+
+
+def _mixture_sampler(sizes, weights, chunk_cells, **options) -> MixtureSampler:
+    n = len(sizes)
+    return MixtureSampler(names=tuple(f"s{k}" for k in range(n)), uris=("",) * n,
+                          sizes=tuple(sizes), weights=tuple(weights),
+                          samplers=(ChunkShuffle(chunk_cells=chunk_cells),) * n, **options)  # fmt: skip
+
+
+@pytest.mark.parametrize("epoch_cells", [None, 3000])
+def test_a_mixed_fetch_reads_one_range_per_source_after_a_short_fetch(epoch_cells):
+    # 1,000 cells in 128-cell chunks: the last chunk (104 cells) shifts every later cut of a
+    # source's stream off its chunks, which would read each block as two ranges
+    sampler = _mixture_sampler([1000, 1000], [1, 1], 128, epoch_cells=epoch_cells)
+    for epoch in range(3):
+        plan = sampler.plan(2000, seed=epoch, epoch=epoch)
+        for j in range(len(plan)):  # one span of cells per source (runs may touch)
+            ranges = plan.fetch(j).ranges
+            assert (ranges[1:, 0] != ranges[:-1, 1]).sum() == 1, ranges
+        cells = np.concatenate([plan.fetch(j).cell_ids() for j in range(len(plan))])
+        if epoch_cells is None:  # one pass: every cell once
+            assert sorted(cells.tolist()) == list(range(2000))
+        else:  # 1,500 cells of each source: its pass, then half of the next or the rest
+            assert len(cells) == 3000 and np.bincount(cells).max() <= 2
+
+
+def test_moving_cuts_to_fetch_ends_keeps_each_fetchs_mix_and_every_cell_once():
+    # sources whose chunks end at different places, weights apart from their sizes, a cap
+    for sizes, weights, chunk in (
+        ([1000, 1300], [1000, 1300], 128),
+        ([900, 700, 500], [5, 3, 2], 64),
+    ):
+        for cap in (None, 300):
+            sampler = _mixture_sampler(sizes, weights, chunk, epoch_cells=2000, fetch_cells=cap)
+            plan = sampler.plan(sum(sizes), seed=1, epoch=1)
+            counts = np.array([plan.fetch(j).counts for j in range(len(plan))])
+            want = np.asarray(weights) / sum(weights)
+            shares = counts[:-1] / counts[:-1].sum(axis=1, keepdims=True)
+            assert np.abs(shares - want).max() <= SHARE_SLACK + 0.02  # the schedule's rounding
+            assert (counts.sum(axis=0) == quotas(2000, weights)).all()
+            if cap is not None:
+                assert plan.fetch_sizes().max() <= cap
 
 
 SETTINGS = {"batch_size": 16, "max_genes": 6, "seed": 3, "n_epochs": 2}
