@@ -16,6 +16,7 @@ contiguously per source, and consecutive slices hold every cell once.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,6 +80,18 @@ class MixedFetch(Fetch):
 
     def sliced(self, index: int, start: int, stop: int, seed: int | None) -> Fetch:
         """Schedule positions ``[start, stop)``: a contiguous run of each source's block."""
+        lengths = self.ranges[:, 1] - self.ranges[:, 0]
+        if (
+            start == 0
+            and stop == int(lengths.sum())
+            and (lengths > 0).all()
+            and (np.asarray(self.runs) > 0).all()
+        ):
+            # the whole fetch (one rank's part): the same blocks, no schedule to cut
+            return dataclasses.replace(self, index=index, shuffle_seed=seed)
+        return self._cut(index, start, stop, seed)
+
+    def _cut(self, index: int, start: int, stop: int, seed: int | None) -> MixedFetch:
         counts = np.asarray(self.counts, dtype=np.int64)
         labels = np.repeat(np.arange(len(counts)), counts)[self._schedule()]
         before = np.bincount(labels[:start], minlength=len(counts))

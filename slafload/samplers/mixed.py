@@ -29,7 +29,11 @@ Epoch semantics (``epoch_cells``):
 
 Sizes and memory: a mixed fetch holds one fetch's worth of every source (the sum of the
 sources' largest fetches), capped at ``fetch_cells`` (the loader derives it from
-``memory_budget``), and source ``k``'s block in it is that size times its share. Where the cap
+``memory_budget``), and source ``k``'s block in it is that size times its share. A block's
+end is then moved to where one of its source's own fetches ends when that keeps every share
+of this fetch and the next within :data:`SHARE_SLACK` (a short fetch, the last of a pass,
+would otherwise shift every later cut off the source's fetches, and each block would be read
+as two ranges). Where the cap
 binds (many sources), every source's contiguous read per fetch shrinks in proportion. Within its block a
 source's cells are shuffled fetch by fetch of its own plan (a piece of one of its fetches is
 shuffled on its own), so a source's fetches and passes keep their order.

@@ -136,6 +136,16 @@ def test_a_mixed_fetch_cut_among_ranks_keeps_every_cell_once_in_proportion():
             assert len(p.ranges) == 3  # one contiguous read per source
 
 
+def test_a_whole_mixed_fetch_given_to_one_rank_is_the_fetch_cut_through_its_schedule():
+    for counts, runs in (([500, 300, 200], None), ([100, 60], [40, 60, 60]), ([7, 0, 5], [7, 5])):
+        fetch = _fetch(counts, runs)
+        whole, cut = fetch.sliced(4, 0, fetch.n_cells, 11), fetch._cut(4, 0, fetch.n_cells, 11)
+        for got, want in ((whole.ranges, cut.ranges), (whole.runs, cut.runs)):
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(whole.output_order(), cut.output_order())
+        np.testing.assert_array_equal(whole.cell_ids(), cut.cell_ids())
+
+
 def test_a_mixed_fetch_keeps_the_order_of_its_sources_runs():
     # source 0's block is two runs (the end of one pass, the start of the next): every cell
     # of the first run comes out before any of the second
