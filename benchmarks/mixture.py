@@ -12,6 +12,7 @@ amount of data. Reported:
 - throughput (cells/s delivered as tensors, steady state after ``--warm-up`` cells) of the
   mixture and of the single-source loader on the same total data, interleaved rounds, median,
   and the ratio; CPU time per cell beside it. Page cache warm (the data is read in round 0);
+- the 1-minute load average before and after the timed rounds (wall ratios move with it);
 - memory (``--memory-sources``, default 8): peak RSS of a fresh process streaming
   ``--measure`` cells from one atlas, and from a 1:1:...:1 mixture of that many atlases of
   ``--cells`` each, with torch and slafload imported before the baseline is read; the growth
@@ -186,12 +187,14 @@ def main() -> None:
         print(json.dumps(memory(args), indent=2))
         return
     paths, single = atlases(args)
+    load = [os.getloadavg()[0]]  # other work on the machine moves the wall ratio most
     mixing = {mix: source_mix(paths, args, mix) for mix in ("cell", "batch")}
     runs: dict[str, list[tuple[float, float]]] = {"single": [], "mixture": []}
     rate(single, args)  # round 0: page cache and kernels warm, not counted
     for _ in range(args.rounds):  # interleaved, so load on the machine hits both alike
         runs["single"].append(rate(single, args))
         runs["mixture"].append(rate(mixture(paths, args, "cell"), args))
+    load.append(os.getloadavg()[0])
     med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v))
            for k, v in runs.items()}  # fmt: skip
     result = {
@@ -205,6 +208,7 @@ def main() -> None:
         "runs": runs,
         "memory": memory(args) if args.memory_sources > 1 else None,
         "page_cache": "warm",
+        "load_average": {"before": load[0], "after": load[1], "cpus": os.cpu_count()},
         "machine": {"platform": platform.platform(), "python": platform.python_version()},
     }
     out = Path(args.out)
