@@ -30,7 +30,7 @@ from slafload.pipeline.epochs import Delivery, Position
 from slafload.pipeline.prefetcher import Prefetcher
 from slafload.presets import PRESET_NAMES, Preset, make_preset, mixture_preset
 from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
-from slafload.tokenizers import make_tokenizer
+from slafload.tokenizers import Sparse, make_tokenizer
 from slafload.torch_data import SlafIterableDataset
 from slafload.transforms.vocab import Vocabulary
 from slafload.types import CellSource, ChunkTransform, LoaderBatch, Sampler, Tokenizer
@@ -49,7 +49,9 @@ class Loader:
         weights: With a list of datasets: one positive weight per dataset (default: sizes).
         vocabulary: With a list of datasets: the shared gene
             :class:`~slafload.transforms.vocab.Vocabulary`, or ``"union"``.
-        tokenizer: ``"geneformer"``, ``"scgpt"``, ``"raw"``, a plugin name, or an instance;
+        tokenizer: ``"geneformer"``, ``"scgpt"``, ``"raw"``, ``"sparse"`` (CSR batches of
+            each cell's whole expression; ``layout="packed"`` by default, no ``max_genes``:
+            :mod:`slafload.tokenizers.sparse`), a plugin name, or an instance;
             or a published model's preset (:mod:`slafload.presets`): a :class:`Preset`, or
             ``"geneformer-v2"``, ``"geneformer-v1"``, ``"scgpt-reference"`` built from
             ``tokenizer_options`` (its dictionary files; ``seed`` defaults to the loader's).
@@ -98,6 +100,11 @@ class Loader:
         **settings: Any,
     ):
         check_settings(settings)
+        # `sparse` keeps every gene and makes CSR batches: packed unless told otherwise (and
+        # refused then), and no max_genes unless the user sets one (refused by it then).
+        sparse = tokenizer == "sparse" or isinstance(tokenizer, Sparse)
+        if sparse:
+            settings = {"layout": "packed", **settings}
         self.config = LoaderConfig(**settings)
         self.dataset: CellSource = open_source(dataset, weights=weights, vocabulary=vocabulary)
         mixture = isinstance(self.dataset, Mixture)
@@ -123,7 +130,10 @@ class Loader:
             tokenizer = tokenizer.tokenizer
         else:
             self.preset = None
-        options = {"max_genes": self.config.max_genes, **(tokenizer_options or {})}
+        budget = (
+            {"max_genes": self.config.max_genes} if "max_genes" in settings or not sparse else {}
+        )
+        options = {**budget, **(tokenizer_options or {})}
         self.tokenizer = (
             make_tokenizer(tokenizer, **options)
             if isinstance(tokenizer, str)

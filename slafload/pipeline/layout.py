@@ -16,6 +16,11 @@
     each cell starts and ``position_ids`` restart at 0 for each cell. There is no
     ``attention_mask``: every token is real, and the cell boundaries are ``cu_seqlens``.
 
+The ``sparse`` tokenizer's batches are packed only, and are CSR: ``gene_ids``, ``values``
+(``float32``) and ``cu_seqlens``, each cell's expressed genes in ascending gene id, with no
+``position_ids`` (:class:`Csr`; :func:`slafload.tokenizers.sparse_csr` makes a
+``torch.sparse_csr_tensor`` of one).
+
 Per-cell arrays (``cell_integer_id``, obs codes, raw ``lengths``) are the same in every
 layout. ``token_dtype="int32"`` makes every integer token stream (and ``position_ids``)
 ``int32``; ``cu_seqlens`` is always ``int32``, per-cell arrays stay ``int64``.
@@ -34,7 +39,7 @@ import numpy as np
 from slafload.errors import LayoutError
 from slafload.pipeline.buffers import fresh
 from slafload.pipeline.ragged import RAGGED_KEY, Ragged, unmasked
-from slafload.tokenizers import ScGPT
+from slafload.tokenizers import ScGPT, Sparse
 from slafload.types import Tokenizer
 
 INT64 = np.dtype(np.int64)
@@ -132,6 +137,17 @@ class Packed(_Layout):
         return {**rows.streams, "cu_seqlens": rows.offsets.astype(np.int32), **cells}
 
 
+class Csr(Packed):
+    """The packed layout of a CSR tokenizer (``sparse``): ``cu_seqlens`` and the streams, no
+    ``position_ids`` (a count model reads no positions, and a piece's would cost as much as
+    gathering it).
+    """
+
+    def piece(self, arrays: Arrays) -> Arrays:
+        """The piece's rows, as they are."""
+        return arrays
+
+
 LAYOUTS = {cls.name: cls for cls in (Padded, Longest, Packed)}
 
 
@@ -140,6 +156,23 @@ def make_layout(name: str, token_dtype: str = "int64") -> Layout:
     if name not in LAYOUTS:
         raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {name!r}")
     return LAYOUTS[name](np.dtype(token_dtype))
+
+
+def layout_for(tokenizer: Tokenizer, layout: Layout) -> Layout:
+    """``layout`` as ``tokenizer`` lays it out: :class:`Csr` for ``sparse`` (its CSR batches).
+
+    Raises:
+        LayoutError: ``sparse`` with a layout other than ``"packed"``.
+    """
+    if not isinstance(tokenizer, Sparse):
+        return layout
+    if layout.name != "packed":
+        raise LayoutError(
+            f"tokenizer 'sparse' makes CSR batches (gene_ids, values, cu_seqlens), which have "
+            f"no padded rows: layout={layout.name!r} cannot hold them; use layout='packed' "
+            "(the loader's default for it) or tokenizer='raw' for padded rows"
+        )
+    return Csr(layout.token_dtype)
 
 
 def position_ids(offsets: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -6,7 +6,7 @@ row-aligned array (``len``, slicing, :meth:`Ragged.concat`), and the packed layo
 (:mod:`slafload.pipeline.layout`) turns each batch's rows into packed tensors.
 
 :func:`ragged_tokens` makes one from a ranked piece: the built-ins (``geneformer``, ``scgpt``,
-``raw``) write only real tokens, so no padding is filled and then stripped; any other
+``raw``, ``sparse``) write only real tokens, so no padding is filled and then stripped; any other
 tokenizer is run as usual and stripped of its padding by its ``attention_mask``.
 """
 
@@ -22,7 +22,7 @@ from slafload.errors import LayoutError
 from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline.buffers import fresh
 from slafload.pipeline.ranges import run_offsets
-from slafload.tokenizers import CLS, SEP, Geneformer, Raw, ScGPT, Tokenizer
+from slafload.tokenizers import CLS, SEP, Geneformer, Raw, ScGPT, Sparse, Tokenizer
 from slafload.tokenizers.builtin import copy_cell_tokens, gene_tokens, scgpt_value_tokens
 from slafload.types import RankedChunk
 
@@ -92,6 +92,8 @@ def ragged_tokens(
         return _scgpt(cast(ScGPT, tokenizer), ranked, dtype, kernels)
     if kind is Raw:
         return _raw(cast(Raw, tokenizer), ranked, dtype, kernels)
+    if kind is Sparse:
+        return _sparse(ranked, dtype, kernels)
     return strip(dict(tokenizer(ranked)), dtype, name=tokenizer.name)
 
 
@@ -101,7 +103,7 @@ def _builtin(tokenizer: Tokenizer) -> type | None:
     A subclass counts when it keeps the built-in's ``__call__`` (e.g. scGPT with other bins:
     only :meth:`ScGPT.bins` differs, and the ragged path calls it too).
     """
-    for kind in (Geneformer, ScGPT, Raw):
+    for kind in (Geneformer, ScGPT, Raw, Sparse):
         if isinstance(tokenizer, kind) and type(tokenizer).__call__ is kind.__call__:
             return kind
     return None
@@ -142,14 +144,30 @@ def _scgpt(tok: ScGPT, ranked: RankedChunk, dtype: np.dtype, kernels: Kernels) -
 
 
 def _raw(tok: Raw, ranked: RankedChunk, dtype: np.dtype, kernels: Kernels) -> dict:
-    lengths = ranked.output_lengths(tok.max_genes)
-    offsets = run_offsets(lengths)
+    rows = expression_rows(ranked, tok.max_genes, dtype, kernels)
+    return {RAGGED_KEY: rows, "lengths": ranked.output_lengths(tok.max_genes)}
+
+
+def expression_rows(
+    ranked: RankedChunk, limit: int, dtype: np.dtype, kernels: Kernels = NUMPY
+) -> Ragged:
+    """Each output cell's first ``limit`` entries of ``ranked`` as ``gene_ids`` (``dtype``)
+    and ``values`` (``float32``), back to back in output order: ``raw``'s rows (rank order)
+    and, with no limit, ``sparse``'s (gene order, :class:`~slafload.tokenizers.sparse.Sparse`).
+
+    One run copy per cell through ``kernels`` (:func:`copy_cell_tokens`), no padding.
+    """
+    offsets = run_offsets(ranked.output_lengths(limit))
     genes = fresh(int(offsets[-1]), dtype)
     values = fresh(int(offsets[-1]), np.float32)
     pairs = [(genes, ranked.genes), (values, ranked.values)]
-    copy_cell_tokens(pairs, ranked, offsets[:-1], tok.max_genes, kernels)
-    streams = {"gene_ids": genes, "values": values}
-    return {RAGGED_KEY: Ragged(offsets, streams), "lengths": lengths}
+    copy_cell_tokens(pairs, ranked, offsets[:-1], limit, kernels)
+    return Ragged(offsets, {"gene_ids": genes, "values": values})
+
+
+def _sparse(ranked: RankedChunk, dtype: np.dtype, kernels: Kernels) -> dict:
+    """``sparse``'s rows: every entry of ``ranked`` (in gene order), as CSR."""
+    return {RAGGED_KEY: expression_rows(ranked, len(ranked.genes), dtype, kernels)}
 
 
 def strip(arrays: dict[str, Any], dtype: np.dtype, *, name: str = "") -> dict:

@@ -73,12 +73,7 @@ def start_rank(chunk: Chunk) -> PendingRank:
     cell's keys (:func:`rank_by_keys`); anything else (``float64`` values after a
     normalising transform) on Polars' threads, in the background.
     """
-    genes, values, indptr = chunk.genes, chunk.values, chunk.indptr
-    expressed = values > 0
-    if not expressed.all():
-        genes, values = genes[expressed], values[expressed]
-        kept = np.concatenate([[0], np.cumsum(expressed, dtype=np.int64)])
-        indptr = kept[indptr]
+    indptr, genes, values = expressed(chunk)
     if not len(genes):
         return PendingRank(chunk, indptr, genes, values, None)
     by_keys = rank_by_keys(indptr, genes, values)
@@ -102,6 +97,27 @@ def start_rank(chunk: Chunk) -> PendingRank:
         .unnest("ranked")
     )
     return PendingRank(chunk, indptr, genes, values, collect_in_background(query))
+
+
+def in_gene_order(chunk: Chunk) -> RankedChunk:
+    """The expressed genes of every cell of ``chunk`` as they are, gene ids ascending, for a
+    tokenizer that reads no rank (``ranks_genes = False``, e.g.
+    :class:`~slafload.tokenizers.sparse.Sparse`): no sort, the chunk's arrays kept when
+    every entry is expressed.
+    """
+    indptr, genes, values = expressed(chunk)
+    c = chunk
+    return RankedChunk(c.fetch_index, c.cell_ids, indptr, genes, values, c.order)
+
+
+def expressed(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(indptr, genes, values)`` of ``chunk``'s expressed entries (value > 0), in order."""
+    genes, values, indptr = chunk.genes, chunk.values, chunk.indptr
+    kept = values > 0
+    if not kept.all():
+        genes, values = genes[kept], values[kept]
+        indptr = np.concatenate([[0], np.cumsum(kept, dtype=np.int64)])[indptr]
+    return indptr, genes, values
 
 
 def rank_by_keys(

@@ -31,10 +31,16 @@ from slafload.config import LoaderConfig
 from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline.batcher import Batches
 from slafload.pipeline.buffers import RowBuffers
-from slafload.pipeline.layout import Arrays, Layout, check_value_tokens, make_layout
+from slafload.pipeline.layout import (
+    Arrays,
+    Layout,
+    check_value_tokens,
+    layout_for,
+    make_layout,
+)
 from slafload.pipeline.partition import Tagged
 from slafload.pipeline.ragged import _builtin, ragged_tokens
-from slafload.pipeline.ranking import rank
+from slafload.pipeline.ranking import in_gene_order, rank
 from slafload.pipeline.stage import Observe, Stage, as_is
 from slafload.types import Chunk, RankedChunk, Tokenizer
 
@@ -97,8 +103,11 @@ class HostTokens:
     kernels: Kernels = NUMPY
 
     def rows(self, piece: Chunk) -> tuple[Arrays, np.ndarray]:
-        """Rank and tokenize ``piece``."""
-        return self.tokenize(rank(piece))
+        """Rank and tokenize ``piece``; a tokenizer reading no rank (``ranks_genes = False``)
+        gets its genes in the chunk's own ascending order, unsorted.
+        """
+        ranks = getattr(self.tokenizer, "ranks_genes", True)
+        return self.tokenize(rank(piece) if ranks else in_gene_order(piece))
 
     def tokenize(self, ranked: RankedChunk) -> tuple[Arrays, np.ndarray]:
         """The token rows of a ranked piece, in the layout's dtype and piece form."""
@@ -138,7 +147,7 @@ def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernel
     """The token stage ``config.tokenize_on`` and ``config.layout`` ask for, its per-cell
     loops run through ``kernels`` (whose owner closes them).
     """
-    layout = make_layout(config.layout, config.token_dtype)
+    layout = layout_for(tokenizer, make_layout(config.layout, config.token_dtype))
     check_value_tokens(tokenizer, layout.token_dtype)
     if config.tokenize_on == "device":
         from slafload.pipeline.device_tokenize import DeviceTokens

@@ -1,7 +1,8 @@
 """Tokenizers: turn a ranked chunk into row-aligned token arrays (the tokenize stage's add-ons).
 
 Built-ins (:mod:`slafload.tokenizers.builtin`): ``geneformer``, ``scgpt``, ``raw``, with
-slafdb 0.5.2's token conventions. Variants: scGPT with fixed-width bins
+slafdb 0.5.2's token conventions, and ``sparse`` (:mod:`slafload.tokenizers.sparse`): each
+cell's whole expression as CSR. Variants: scGPT with fixed-width bins
 (:mod:`slafload.tokenizers.binning`) and expression values beside gene tokens
 (:mod:`slafload.tokenizers.values`). Published models' own vocabularies are presets
 (:mod:`slafload.presets`). Third-party tokenizers register under the ``slafload.tokenizers``
@@ -24,6 +25,7 @@ from slafload.tokenizers.builtin import (
     make_tokenizer,
     quantile_bins,
 )
+from slafload.tokenizers.sparse import Sparse, sparse_csr
 from slafload.tokenizers.values import WithValues
 from slafload.types import Tokenizer
 
@@ -39,10 +41,12 @@ __all__ = [
     "Raw",
     "ScGPT",
     "ScGPTFixedBins",
+    "Sparse",
     "Tokenizer",
     "WithValues",
     "available_tokenizers",
     "fixed_bins",
     "make_tokenizer",
     "quantile_bins",
+    "sparse_csr",
 ]

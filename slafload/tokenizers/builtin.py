@@ -13,6 +13,10 @@ whose arrays all have one row per cell of the chunk, in output order. Built-ins:
 ``raw``
     The cell's sparse expression for non-transformer models: ``gene_ids`` (padded with -1),
     ``values`` (float32, padded with 0) and ``lengths``, highest expression first.
+``sparse``
+    Each cell's expressed genes in ascending gene id with their values, every one of them
+    (no ranking, no ``max_genes``): a CSR batch of ``gene_ids``, ``values`` (float32) and
+    ``cu_seqlens`` offsets, in the packed layout only (scVI-style count models).
 
 Token conventions are those of slafdb 0.5.2 (PAD=0, CLS=1, SEP=2, MASK=3, gene token = gene
 id + 4, scGPT value tokens offset by 50,000, geneformer truncation keeps CLS and drops SEP) so
@@ -33,6 +37,7 @@ import numpy.typing as npt
 from slafload._validate import check_int
 from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline.buffers import RowBuffers, copy_aligned_runs, fresh, scratch
+from slafload.tokenizers.sparse import Sparse
 from slafload.types import RankedChunk, Tokenizer
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
@@ -316,6 +321,7 @@ _BUILTINS: dict[str, Callable[..., Tokenizer]] = {
     "geneformer": Geneformer,
     "scgpt": ScGPT,
     "raw": Raw,
+    "sparse": Sparse,
 }
 
 
