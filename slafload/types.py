@@ -100,11 +100,13 @@ class PackedBatch(_CellColumns, total=False):
     ``cu_seqlens[i]:cu_seqlens[i + 1]`` are cell ``i``'s tokens (FlashAttention's varlen
     convention), and ``position_ids`` restart at 0 for each cell. The token streams are the
     padded layout's (``input_ids``; scGPT's ``values``; raw ``gene_ids``, ``values``), and so
-    are the per-cell entries, obs columns included.
+    are the per-cell entries, obs columns included. The ``sparse`` tokenizer's batches are
+    CSR: ``gene_ids``, ``values`` and ``cu_seqlens`` only, without ``position_ids``.
     """
 
     cu_seqlens: Required[Annotated[torch.Tensor, TensorSpec(("batch + 1",), ("int32",))]]
-    position_ids: Required[Annotated[torch.Tensor, TensorSpec(("tokens",), _TOKENS)]]
+    position_ids: Annotated[torch.Tensor, TensorSpec(("tokens",), _TOKENS)]
+    """Within-cell positions; in every packed batch but the ``sparse`` tokenizer's."""
     input_ids: Annotated[torch.Tensor, TensorSpec(("tokens",), _TOKENS)]
     values: Annotated[torch.Tensor, TensorSpec(("tokens",), (*_TOKENS, "float32"))]
     gene_ids: Annotated[torch.Tensor, TensorSpec(("tokens",), _TOKENS)]
@@ -339,7 +341,10 @@ class Tokenizer(Protocol):
     """Maps a :class:`RankedChunk` to equal-length numpy arrays.
 
     Every returned array has ``ranked.n_cells`` rows, row ``j`` describing output cell
-    ``ranked.order[j]``. Implementations must be vectorized over the chunk.
+    ``ranked.order[j]``. Implementations must be vectorized over the chunk. A tokenizer with
+    a class attribute ``ranks_genes = False`` reads no rank: the token stage then skips
+    ranking and hands it each cell's expressed genes in ascending gene id instead (as the
+    built-in ``sparse`` does).
     """
 
     name: str

@@ -16,6 +16,9 @@ What a cell's output is, per the specification:
   values, linspace(0, 1, n_bins - 1))) + 50_000``; the mask marks real ids.
 - ``raw``: width ``max_genes``; ``gene_ids`` (pad -1), ``values`` float32 (pad 0), and the
   per-cell ``lengths`` in every layout.
+- ``sparse``: every expressed gene of the cell in ascending gene id, as ``gene_ids`` and
+  ``values`` float32 back to back with ``cu_seqlens`` (int32), in the packed layout only, with
+  no ``position_ids`` and no ``lengths``; ``max_genes`` does not apply.
 - Layouts: ``longest`` keeps the padded rows' first ``L`` columns, ``L`` the last column any
   row of the batch holds a real token in; ``packed`` keeps each row's real tokens back to back
   with ``cu_seqlens`` (int32) and ``position_ids`` (0, 1, ... within each cell) and no mask.
@@ -194,6 +197,8 @@ def expected_batch(
     layout: str,
 ) -> dict[str, list]:
     """The token streams of one batch of ``(source, cell)`` pairs, as nested Python lists."""
+    if tokenizer == "sparse":
+        return sparse_batch(atlas_of, cells)
     rows = [padded_row(atlas_of[s], c, tokenizer, max_genes, n_bins) for s, c in cells]
     lengths = [r["n"][0] for r in rows]
     streams = [k for k in rows[0] if k != "n"] if rows else []
@@ -209,4 +214,15 @@ def expected_batch(
         out[key] = [r[key][:width] for r in rows]
     if tokenizer != "raw":
         out["attention_mask"] = [[i < n for i in range(width)] for n in lengths]
+    return out
+
+
+def sparse_batch(atlas_of: dict[int, Atlas], cells: list[tuple[int, int]]) -> dict[str, list]:
+    """A ``sparse`` batch: each cell's expressed genes, gene-ascending, as CSR."""
+    rows = [sorted(atlas_of[s].expressed(c).items()) for s, c in cells]
+    out: dict[str, list] = {"gene_ids": [], "values": [], "cu_seqlens": [0]}
+    for row in rows:
+        out["gene_ids"] += [g for g, _ in row]
+        out["values"] += [float(np.float32(v)) for _, v in row]
+        out["cu_seqlens"].append(out["cu_seqlens"][-1] + len(row))
     return out

@@ -30,7 +30,7 @@ import pytest
 import torch
 from conftest import s3_options, upload
 from contract_reference import Atlas, delete_cells, expected_batch, write
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 from slafload import Loader, Mixture, Tuning, open_dataset
@@ -105,8 +105,12 @@ def cases(draw) -> dict[str, Any]:
     sources = [draw(atlases(n_genes, kind)) for _ in range(n_sources)]
     longest = max(len(set(g for g, _ in cell)) for atlas, _ in sources for cell in atlas.cells)
     near_lengths = [w for w in (longest - 1, longest, longest + 1, longest + 2) if w >= 2]
-    tokenizer = draw(st.sampled_from(["geneformer", "scgpt", "raw"]))
-    tokenize_on = draw(st.sampled_from(["producer", "producer", "device"]))
+    tokenizer = draw(st.sampled_from(["geneformer", "scgpt", "raw", "sparse"]))
+    # sparse: CSR batches, packed only and made on the producer
+    sparse = tokenizer == "sparse"
+    tokenize_on = (
+        "producer" if sparse else draw(st.sampled_from(["producer", "producer", "device"]))
+    )
     case = {
         "sources": sources,
         "files": {
@@ -118,7 +122,9 @@ def cases(draw) -> dict[str, Any]:
         "tokenizer": tokenizer,
         "n_bins": draw(st.sampled_from([3, 51])),
         "settings": {
-            "layout": draw(st.sampled_from(["padded", "longest", "packed"])),
+            "layout": "packed"
+            if sparse
+            else draw(st.sampled_from(["padded", "longest", "packed"])),
             "max_genes": draw(st.sampled_from(EDGE_WIDTHS) | st.sampled_from(near_lengths)),
             "token_dtype": draw(st.sampled_from(["int32", "int64"])),
             "kernels": draw(st.sampled_from(["numpy", "numba"])),
@@ -153,6 +159,8 @@ def cases(draw) -> dict[str, Any]:
 def make_loader(paths: list[Any], case: dict[str, Any], **extra: Any) -> Loader:
     settings = dict(case["settings"])
     options = {"n_bins": case["n_bins"]} if case["tokenizer"] == "scgpt" else {}
+    if case["tokenizer"] == "sparse":  # its defaults: packed, every gene (no max_genes)
+        del settings["layout"], settings["max_genes"]
     sampler = {
         "chunk": None,
         "stream": Streaming(chunk_cells=settings["chunk_cells"]),
@@ -218,7 +226,7 @@ def check_batch(
             assert got.dtype == np.int32
         elif key == "lengths":
             assert got.dtype == np.int64
-        elif tokenizer == "raw" and key == "values":
+        elif tokenizer in ("raw", "sparse") and key == "values":
             assert got.dtype == np.float32
         else:
             assert got.dtype == token, f"{key}: {got.dtype} != {token}"
@@ -261,6 +269,7 @@ def all_cells(atlas_of: dict[int, Atlas]) -> list[tuple[int, int]]:
 )
 @given(case=cases())
 def test_every_batch_equals_the_reference_on_every_path(case, s3_endpoint):
+    event(f"tokenizer {case['tokenizer']}")  # --hypothesis-show-statistics counts them
     with tempfile.TemporaryDirectory() as root:
         written, atlas_of = write_sources(Path(root), case)
         paths: list[Any] = list(written)

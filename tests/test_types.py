@@ -80,6 +80,17 @@ def test_every_batch_matches_the_typed_dict_of_its_layout(
         assert_matches(batch, kind, extra=("plate",))
 
 
+@pytest.mark.parametrize("token_dtype", ["int64", "int32"])
+def test_sparse_batches_match_the_packed_typed_dict(atlas, token_dtype):
+    with slafload.Loader(
+        atlas, tokenizer="sparse", token_dtype=token_dtype, batch_size=16, obs_columns=["plate"]
+    ) as loader:
+        batches = list(loader)
+    for batch in batches:
+        assert_matches(batch, PackedBatch, extra=("plate",))
+        assert "position_ids" not in batch
+
+
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_a_mixtures_batches_carry_source_codes_as_declared(tmp_path, atlas, layout):
     other = write_dense(tmp_path / "b.slaf", random_counts(40, 30, seed=4))
