@@ -21,7 +21,8 @@ imports torch first, as a training script does, and reports
 Contenders, all batch 64: slafload ``BlockShuffle(16, 256)`` with the ``raw`` and
 ``geneformer`` tokenizers; slafload's default sampler (``ChunkShuffle``) with ``raw`` on a second
 store that ``convert(shuffle_seed=0)`` wrote in a shuffled order (annbatch's equivalent: its
-writer shuffles its collection; plates are looked up through ``original_index``); scDataset
+writer shuffles its collection; plates are looked up through ``original_index``); the
+``sparse`` tokenizer (CSR batches, no ranking or padding, as annbatch's) on each of the two; scDataset
 ``BlockShuffling(16)`` with ``fetch_factor=256`` on the backed ``.h5ad``, no workers, batches of CSR torch tensors; slafdb's ``SLAFDataLoader`` with its
 default mixture-of-scanners shuffling and its geneformer tokens; annbatch's ``Loader`` on its
 shuffled collection. A peer that is not installed, or does not import, is listed under
@@ -54,7 +55,10 @@ from typing import Any
 
 BATCH_SIZE = 64
 BLOCK, FETCH_FACTOR = 16, 256
-SLAFLOAD = ("slafload-raw", "slafload-geneformer", "slafload-shuffled")
+SLAFLOAD = (
+    "slafload-raw", "slafload-geneformer", "slafload-shuffled", "slafload-sparse",
+    "slafload-shuffled-sparse",
+)  # fmt: skip
 # Each slafload contender's tokenizer and store: BlockShuffle on the store in input order, or
 # the default sampler (ChunkShuffle) on a store that `convert(shuffle_seed=0)` pre-shuffled,
 # as annbatch's writer shuffles its collection.
@@ -62,6 +66,8 @@ SLAFLOAD_RUNS = {
     "slafload-raw": ("raw", "slafload"),
     "slafload-geneformer": ("geneformer", "slafload"),
     "slafload-shuffled": ("raw", "slafload-shuffled"),
+    "slafload-sparse": ("sparse", "slafload"),
+    "slafload-shuffled-sparse": ("sparse", "slafload-shuffled"),
 }
 CONTENDERS = (*SLAFLOAD, "scdataset", "slafdb", "annbatch")
 YIELDS_LABELS = {"annbatch"}  # batches come with plate labels, not the h5ad's row numbers
@@ -69,6 +75,8 @@ LABELS = {
     "slafload-raw": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), raw",
     "slafload-geneformer": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), geneformer",
     "slafload-shuffled": "slafload ChunkShuffle, store pre-shuffled by convert, raw",
+    "slafload-sparse": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), sparse (CSR)",
+    "slafload-shuffled-sparse": "slafload ChunkShuffle, store pre-shuffled, sparse (CSR)",
     "scdataset": f"scDataset BlockShuffling({BLOCK}), fetch_factor {FETCH_FACTOR}, backed h5ad",
     "slafdb": "slafdb SLAFDataLoader, mixture of scanners, geneformer",
     "annbatch": "annbatch Loader, shuffled zarr collection",
@@ -112,9 +120,11 @@ def _slafload(spec: dict[str, Any], name: str) -> Iterator[Any]:
         if store == "slafload" else None  # the default: ChunkShuffle
     )  # fmt: skip
     tuning = slafload.Tuning(**spec.get("tuning", {}))  # the defaults unless a run sets some
+    # sparse keeps every gene (no token budget) and is packed (CSR)
+    budget = {} if tokenizer == "sparse" else {"max_genes": spec["max_genes"]}
     with slafload.Loader(
         ds, tokenizer=tokenizer, sampler=sampler, batch_size=BATCH_SIZE,
-        max_genes=spec["max_genes"], n_epochs=None, seed=0, tuning=tuning,
+        n_epochs=None, seed=0, tuning=tuning, **budget,
     ) as loader:  # fmt: skip
         for batch in loader:
             yield batch["cell_integer_id"].numpy()
