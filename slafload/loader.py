@@ -100,8 +100,8 @@ class Loader:
         **settings: Any,
     ):
         check_settings(settings)
-        # `sparse` keeps every gene and makes CSR batches: packed unless told otherwise (and
-        # refused then), and no max_genes unless the user sets one (refused by it then).
+        # `sparse` makes CSR batches of every gene: packed by default (another layout is
+        # refused), and no max_genes is passed to it unless the user sets one (refused too).
         sparse = tokenizer == "sparse" or isinstance(tokenizer, Sparse)
         if sparse:
             settings = {"layout": "packed", **settings}

@@ -10,7 +10,9 @@ key (integer counts, ``float32`` values), each cell's keys are sorted with numpy
 docs/benchmarks.md). Otherwise the whole chunk is ranked in one Polars window expression
 (``struct(gene, value).sort_by(value).over(cell)``) running in Rust with the GIL released.
 The result keeps the chunk's CSR layout, so a cell's ranked genes are contiguous and the
-``j``-th of them has rank ``j``.
+``j``-th of them has rank ``j``. A tokenizer that reads no rank (``ranks_genes = False``: the
+``sparse`` one) gets :func:`in_gene_order` instead: the expressed genes as the chunk holds
+them, ascending, with no sort.
 """
 
 from __future__ import annotations
@@ -106,8 +108,7 @@ def in_gene_order(chunk: Chunk) -> RankedChunk:
     every entry is expressed.
     """
     indptr, genes, values = expressed(chunk)
-    c = chunk
-    return RankedChunk(c.fetch_index, c.cell_ids, indptr, genes, values, c.order)
+    return RankedChunk(chunk.fetch_index, chunk.cell_ids, indptr, genes, values, chunk.order)
 
 
 def expressed(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
