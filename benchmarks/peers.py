@@ -112,6 +112,7 @@ def _cpu_s() -> float:
 def _slafload(spec: dict[str, Any], name: str) -> Iterator[Any]:
     import slafload
     from slafload.samplers import BlockShuffle
+    from slafload.tokenizers.sparse import token_budget
 
     ds = slafload.open_dataset(spec["path"])
     tokenizer, store = SLAFLOAD_RUNS[name]
@@ -120,8 +121,8 @@ def _slafload(spec: dict[str, Any], name: str) -> Iterator[Any]:
         if store == "slafload" else None  # the default: ChunkShuffle
     )  # fmt: skip
     tuning = slafload.Tuning(**spec.get("tuning", {}))  # the defaults unless a run sets some
-    # sparse keeps every gene (no token budget) and is packed (CSR)
-    budget = {} if tokenizer == "sparse" else {"max_genes": spec["max_genes"]}
+    # sparse keeps every gene (no token budget) and is packed (CSR) by default
+    budget = token_budget(tokenizer, spec["max_genes"])
     with slafload.Loader(
         ds, tokenizer=tokenizer, sampler=sampler, batch_size=BATCH_SIZE,
         n_epochs=None, seed=0, tuning=tuning, **budget,

@@ -30,7 +30,8 @@ from slafload.pipeline.epochs import Delivery, Position
 from slafload.pipeline.prefetcher import Prefetcher
 from slafload.presets import PRESET_NAMES, Preset, make_preset, mixture_preset
 from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
-from slafload.tokenizers import Sparse, make_tokenizer
+from slafload.tokenizers import make_tokenizer
+from slafload.tokenizers.sparse import token_budget
 from slafload.torch_data import SlafIterableDataset
 from slafload.transforms.vocab import Vocabulary
 from slafload.types import CellSource, ChunkTransform, LoaderBatch, Sampler, Tokenizer
@@ -100,10 +101,9 @@ class Loader:
         **settings: Any,
     ):
         check_settings(settings)
-        # `sparse` makes CSR batches of every gene: packed by default (another layout is
-        # refused), and no max_genes is passed to it unless the user sets one (refused too).
-        sparse = tokenizer == "sparse" or isinstance(tokenizer, Sparse)
-        if sparse:
+        # A tokenizer taking no budget (`sparse`) makes CSR batches of every gene: packed by
+        # default (another layout is refused), and no max_genes unless the user sets one.
+        if not token_budget(tokenizer, 1):
             settings = {"layout": "packed", **settings}
         self.config = LoaderConfig(**settings)
         self.dataset: CellSource = open_source(dataset, weights=weights, vocabulary=vocabulary)
@@ -130,9 +130,9 @@ class Loader:
             tokenizer = tokenizer.tokenizer
         else:
             self.preset = None
-        budget = (
-            {"max_genes": self.config.max_genes} if "max_genes" in settings or not sparse else {}
-        )
+        budget = {"max_genes": self.config.max_genes}
+        if "max_genes" not in settings:
+            budget = token_budget(tokenizer, self.config.max_genes)
         options = {**budget, **(tokenizer_options or {})}
         self.tokenizer = (
             make_tokenizer(tokenizer, **options)

@@ -42,6 +42,7 @@ import numpy as np
 
 from slafload.data.dataset import SlafDataset
 from slafload.samplers import BlockShuffle
+from slafload.tokenizers.sparse import token_budget
 from slafload.tools.diversity import entropy
 from slafload.tools.progress import progress_bar
 
@@ -337,8 +338,8 @@ def _measure(
     warmup, fetch = point["fetch_cells"], point["fetch_cells"]
     cells, t0, now = 0, None, time.perf_counter()
     with Loader(dataset, sampler=sampler, batch_size=inputs["batch_size"],
-                tokenizer=inputs["tokenizer"], max_genes=inputs["max_genes"],
-                n_epochs=None, seed=inputs["seed"]) as loader:  # fmt: skip
+                tokenizer=inputs["tokenizer"], n_epochs=None, seed=inputs["seed"],
+                **token_budget(inputs["tokenizer"], inputs["max_genes"])) as loader:  # fmt: skip
         for batch in loader:
             n = len(batch["cell_integer_id"])
             now = time.perf_counter()

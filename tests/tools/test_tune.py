@@ -49,6 +49,14 @@ def test_the_recommendation_is_a_measured_point_within_the_target_gap(atlas, tmp
     assert (tmp_path / "tune.png").exists()
 
 
+def test_the_sparse_tokenizer_is_tuned_without_a_token_budget(atlas, tmp_path):
+    # run_tune passes --max-genes, as the command's default does: sparse takes none
+    code, report = run_tune(atlas, tmp_path, "--tokenizer", "sparse", "--blocks", "1",
+                            "--factors", "2")  # fmt: skip
+    assert code == 0
+    assert [p["cells_per_s"] is not None for p in report["points"]] == [True]
+
+
 def test_a_bad_dataset_path_is_a_one_line_error(tmp_path, capsys):
     assert main(["tune", str(tmp_path / "missing.slaf"), "--no-progress"]) == 2
     err = capsys.readouterr().err
