@@ -27,13 +27,16 @@ writer shuffles its collection; plates are looked up through ``original_index``)
 default mixture-of-scanners shuffling and its geneformer tokens; annbatch's ``Loader`` on its
 shuffled collection. A peer that is not installed, or does not import, is listed under
 ``skipped`` with the reason. Rounds are interleaved (the order reverses every other round) and
-every ratio to slafload is the median of per-round ratios. A run's ``Tuning`` settings may be
-given in the child's spec (``"tuning"``), for A/B runs of defaults. The page cache is warm: every
+every ratio to slafload is the median of per-round ratios. ``--variant`` runs a slafload
+contender again with other ``Tuning`` fields or environment variables, as a row of its own
+interleaved with the rest, for A/B runs of defaults. The page cache is warm: every
 file of every format is read once before the rounds.
 
     python benchmarks/peers.py                       # ~50k cells: a few minutes on 2 cores
     python benchmarks/peers.py --cells 200000 --rounds 3
     python benchmarks/peers.py --python annbatch=/venv312/bin/python   # annbatch: Python >= 3.12
+    python benchmarks/peers.py --only slafload-raw \\
+        --variant 'half=slafload-raw:{"tuning": {"memory_budget": 268435456}}'  # settings A/B
 
 Writes ``slafload-bench/peers.json`` and ``.png`` (``--out``); the data is cached under
 ``slafload-bench/data/`` (``--data``).
@@ -452,10 +455,14 @@ def warm_page_cache(paths: list[str]) -> None:
 
 
 def run_child(
-    name: str, spec: dict[str, Any], timeout: float, python: str | None = None
+    name: str,
+    spec: dict[str, Any],
+    timeout: float,
+    python: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One contender in a fresh interpreter (``python``, else this one); its figures, or its
-    error with stderr's tail.
+    """One contender in a fresh interpreter (``python``, else this one; ``env`` added to its
+    environment); its figures, or its error with stderr's tail.
     """
     import tempfile
 
@@ -463,8 +470,11 @@ def run_child(
         result = Path(tmp) / "result.json"
         cmd = [python or sys.executable, __file__, "--child", name, "--spec", json.dumps(spec),
                "--result", str(result)]  # fmt: skip
+        child_env = {**os.environ, **(env or {})}
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout, env=child_env
+            )
         except subprocess.TimeoutExpired:
             return {"error": f"no result within {timeout:.0f} s"}
         if out.returncode != 0 or not result.exists():
@@ -531,6 +541,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--python", action="append", default=[], metavar="PEER=PATH",
                    help="run a peer (and its writer) in another interpreter, e.g. "
                    "annbatch=/venv312/bin/python (annbatch needs Python >= 3.12)")  # fmt: skip
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=CONTENDER:JSON",
+                   help="a slafload contender again with other settings, as a row NAME of its "
+                   'own: JSON may hold "tuning" (Tuning fields) and "env" (environment '
+                   'variables of its process), e.g. half=slafload-raw:\'{"tuning": '
+                   '{"memory_budget": 268435456}}\'')  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--write", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -559,6 +574,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if key not in paths and name not in skipped:
             skipped[name] = skipped.get(key, "its data was not written")
     names = [n for n in wanted if n not in skipped]
+    variants = parse_variants(args.variant, names)
+    names += list(variants)
     for name, why in skipped.items():
         print(f"skipping {name}: {why}", file=sys.stderr)
     warm_page_cache(sorted(set(paths.values())))
@@ -567,6 +584,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "plates": str(data / "plates.npy")}  # fmt: skip
 
     def spec_of(name: str) -> dict[str, Any]:
+        if name in variants:
+            base, settings = variants[name]
+            return {**spec_of(base), "tuning": settings.get("tuning", {})}
         key = SLAFLOAD_RUNS[name][1] if name in SLAFLOAD else name
         plates = _plates_of(paths[key], data) if key == "slafload-shuffled" else spec["plates"]
         return {**spec, "path": paths[key], "plates": plates}
@@ -577,7 +597,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
-            runs[name].append(run_child(name, spec_of(name), args.timeout, pythons.get(name)))
+            base, settings = variants.get(name, (name, {}))
+            runs[name].append(run_child(base, spec_of(name), args.timeout, pythons.get(name),
+                                        env=settings.get("env")))  # fmt: skip
             print(f"round {r + 1}/{args.rounds} {name}: "
                   f"{runs[name][-1].get('cells_per_s', runs[name][-1].get('error'))}",
                   file=sys.stderr)  # fmt: skip
@@ -593,7 +615,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      "seconds": args.seconds, "page_cache": "warm",
                      "load_avg_start": load_at_start, "load_avg_end": os.getloadavg()},
         "machine": machine(),
-        "labels": {n: LABELS[n] for n in names},
+        "labels": {n: LABELS[n] if n in LABELS else
+                   f"{LABELS[variants[n][0]]}, {json.dumps(variants[n][1])}" for n in names},
+        "variants": {n: {"contender": b, **v} for n, (b, v) in variants.items()},
         "interpreters": {n: pythons.get(n, sys.executable) for n in names},
         "random_entropy": random_entropy(plates),
         "results": results,
@@ -603,6 +627,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }  # fmt: skip
     save_report(report, args.out, print_table, plot)
     return report
+
+
+def parse_variants(items: list[str], names: list[str]) -> dict[str, tuple[str, dict]]:
+    """``--variant NAME=CONTENDER:JSON`` items as ``{NAME: (CONTENDER, settings)}``; each
+    CONTENDER must be a slafload contender among ``names`` (its data is then written).
+    """
+    variants: dict[str, tuple[str, dict]] = {}
+    for item in items:
+        name, _, rest = item.partition("=")
+        base, _, settings = rest.partition(":")
+        if base not in SLAFLOAD or base not in names or name in CONTENDERS or not name:
+            raise SystemExit(
+                f"--variant {item!r}: expected NAME=CONTENDER:JSON with a new NAME and one of "
+                f"the slafload contenders being run ({[n for n in names if n in SLAFLOAD]})"
+            )
+        parsed = json.loads(settings or "{}")
+        if unknown := set(parsed) - {"tuning", "env"}:
+            raise SystemExit(f"--variant {name}: unknown keys {sorted(unknown)} (tuning, env)")
+        variants[name] = (base, parsed)
+    return variants
 
 
 def _plates_of(shuffled: str, data: Path) -> str:

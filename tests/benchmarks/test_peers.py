@@ -30,12 +30,17 @@ def test_the_benchmark_runs_every_contender_or_skips_it_with_a_reason(tmp_path):
         "--cells", "400", "--genes", "200", "--plates", "4", "--nnz", "20", "--rounds", "1",
         "--warm-cells", "64", "--min-cells", "256", "--data", str(tmp_path / "data"),
         "--out", str(out), "--only", ",".join(ONLY),
+        "--variant", 'small=slafload-raw:{"tuning": {"queue_depth": 2}, "env": {"MALLOC_ARENA_MAX": "2"}}',
+        "--variant", 'bad=slafload-raw:{"tuning": {"no_such_field": 1}}',
     ])  # fmt: skip
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     assert out.with_suffix(".png").exists()
+    # a variant's settings reach its child: the unknown Tuning field fails there, as a row
+    assert "no_such_field" in report["results"].pop("bad")["errors"][0]
+    assert report["variants"]["small"]["contender"] == "slafload-raw"
     ran, skipped = set(report["results"]), set(report["skipped"])
-    assert ran | skipped == set(ONLY) and not ran & skipped
-    assert "slafload-raw" in ran  # slafload is never skipped
+    assert ran | skipped == {*ONLY, "small"} and not ran & skipped
+    assert {"slafload-raw", "small"} <= ran  # slafload is never skipped
     assert all(isinstance(why, str) and why for why in report["skipped"].values())
     for name, row in report["results"].items():
         assert "errors" not in row, (name, row)
