@@ -169,10 +169,10 @@ def main() -> None:
     p.add_argument("--nnz", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-genes", type=int, default=256)
-    p.add_argument("--measure", type=int, default=8_000, help="cells timed per run")
+    p.add_argument("--measure", type=int, default=400_000, help="cells timed per run")
     p.add_argument("--warm-up", type=int, default=4_096,
                    help="cells taken before the timing starts (the first mixed fetch)")  # fmt: skip
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=9, help="interleaved runs of each loader")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sampler", choices=["default", "block"], default="default",
                    help="the loader's default sampler, or BlockShuffle(16, 64)")  # fmt: skip
