@@ -54,13 +54,35 @@ def tail_of(path: str, n: int = footer.TAIL) -> tuple[bytes, int]:
         return f.read(), size
 
 
-def compiled_walk(kernels: Kernels, tail: bytes, size: int, n: int = footer.RECORD) -> list[int]:
-    """The compiled walk of given bytes (``fd`` -1: as the Python walk, no reads, no tables)."""
-    assert kernels.ready("walk_many")  # and so numba imported, footer.walk compiled
-    rec = np.full(n, 123_456, np.int64)
-    data, none = np.frombuffer(tail, np.uint8).copy(), np.zeros(0, np.uint8)
-    footer.walk_compiled(data, size, rec, -1, none, np.zeros(0, np.int32), -1)
-    return rec.tolist()
+@pytest.fixture
+def compiled_walk(numba_kernels, tmp_path, monkeypatch):
+    """The compiled walk of given bytes: ``walk(kernels, tail, size, n)`` writes a file of
+    ``size`` bytes ending in ``tail`` (sparse before it) and walks it as opening a file does,
+    through :func:`footer.walk_many` with a buffer of ``len(tail)`` bytes (compiled once and
+    cached on disk: ``walk_compiled`` called with other argument types would compile again,
+    uncached, for 20 s). It reads no chunk words, so its record is the Python walk's."""
+    monkeypatch.chdir(tmp_path)  # a short relative name fits the shortest tails
+    name = b"w\0"
+
+    def walk(kernels: Kernels, tail: bytes, size: int, n: int = footer.RECORD) -> list[int]:
+        assert kernels.ready("walk_many")  # and so numba imported, footer.walk compiled
+        assert size >= len(tail) and (len(tail) >= len(name) or size == len(tail))
+        with open("w", "wb") as f:
+            f.truncate(size - len(tail))
+            f.seek(size - len(tail))
+            f.write(tail)
+        buffers = np.zeros((1, max(len(tail), len(name))), np.uint8)
+        buffers[0, : len(name)] = np.frombuffer(name, np.uint8)
+        recs = np.full((1, n), 123_456, np.int64)
+        none = np.zeros(0, np.uint8), np.zeros(0, np.int32)
+        assert kernels.run("walk_many", buffers, recs, *none, os.O_RDONLY)
+        rec = recs[0].tolist()
+        assert rec[9] >= 0  # it opened the file: the caller's to close
+        os.close(rec[9])
+        rec[9] = -1  # as the Python walk, given the bytes, records it
+        return rec
+
+    return walk
 
 
 def python_walk(tail: bytes, size: int, n: int = footer.RECORD) -> list[int]:
@@ -90,7 +112,7 @@ def test_footers_list_the_pages_lance_lists(tmp_path):
             assert sum(p.rows for p in pages) == meta.num_rows
 
 
-def test_python_and_compiled_walks_agree_on_real_files(tmp_path, numba_kernels):
+def test_python_and_compiled_walks_agree_on_real_files(tmp_path, numba_kernels, compiled_walk):
     rng = np.random.default_rng(4)
     paths = files(tmp_path, rng)
     big = str(tmp_path / "many_pages.lance")  # metadata larger than a short tail
@@ -136,7 +158,9 @@ def plain(found) -> list:
     return [(e, [p._replace(tables_at=-1) for p in pages]) for e, pages in found.columns()]
 
 
-def test_damaged_footers_are_rejected_alike_and_never_read_out_of_bounds(tmp_path, numba_kernels):
+def test_damaged_footers_are_rejected_alike_and_never_read_out_of_bounds(
+    tmp_path, numba_kernels, compiled_walk
+):
     """(In Python, a read past the bytes would raise IndexError; the walk is the same code.)"""
     rng = np.random.default_rng(5)
     path = str(tmp_path / "a.lance")
@@ -338,7 +362,7 @@ def test_a_read_window_opens_its_files_together_and_reads_as_lance_reads(tmp_pat
     assert all(isinstance(e.reader, FlatFile) for e in flat._open.values())
 
 
-def test_sizes_that_would_wrap_a_sum_are_rejected_alike(tmp_path, numba_kernels):
+def test_sizes_that_would_wrap_a_sum_are_rejected_alike(tmp_path, numba_kernels, compiled_walk):
     rng = np.random.default_rng(13)
     path = str(tmp_path / "a.lance")
     write(path, atlas_like(200_000, rng), "2.2")
