@@ -115,7 +115,7 @@ def _cpu_s() -> float:
 def _slafload(spec: dict[str, Any], name: str) -> Iterator[Any]:
     import slafload
     from slafload.samplers import BlockShuffle
-    from slafload.tokenizers.sparse import token_budget
+    from slafload.tokenizers.builtin import token_budget
 
     ds = slafload.open_dataset(spec["path"])
     tokenizer, store = SLAFLOAD_RUNS[name]

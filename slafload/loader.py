@@ -31,7 +31,7 @@ from slafload.pipeline.prefetcher import Prefetcher
 from slafload.presets import PRESET_NAMES, Preset, make_preset, mixture_preset
 from slafload.samplers import ChunkShuffle, Streaming, bind_batch_size
 from slafload.tokenizers import make_tokenizer
-from slafload.tokenizers.sparse import token_budget
+from slafload.tokenizers.builtin import token_budget
 from slafload.torch_data import SlafIterableDataset
 from slafload.transforms.vocab import Vocabulary
 from slafload.types import CellSource, ChunkTransform, LoaderBatch, Sampler, Tokenizer

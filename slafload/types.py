@@ -344,7 +344,8 @@ class Tokenizer(Protocol):
     ``ranked.order[j]``. Implementations must be vectorized over the chunk. A tokenizer with
     a class attribute ``ranks_genes = False`` reads no rank: the token stage then skips
     ranking and hands it each cell's expressed genes in ascending gene id instead (as the
-    built-in ``sparse`` does).
+    built-in ``sparse`` does); one with ``takes_max_genes = False`` keeps every gene, and the
+    loader passes it no ``max_genes`` unless the user sets one.
     """
 
     name: str

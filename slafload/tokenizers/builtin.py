@@ -342,10 +342,29 @@ def make_tokenizer(spec: str | Tokenizer, **options: Any) -> Tokenizer:
                 f"and `__call__(ranked)`), got {type(spec).__name__}"
             )
         return spec
-    factory = _BUILTINS.get(spec)
+    return _factory(spec)(**options)
+
+
+def _factory(name: str) -> Callable[..., Tokenizer]:
+    factory = _BUILTINS.get(name)
     if factory is None:
-        found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == spec]
+        found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
         if not found:
-            raise ValueError(f"unknown tokenizer {spec!r}; available: {available_tokenizers()}")
+            raise ValueError(f"unknown tokenizer {name!r}; available: {available_tokenizers()}")
         factory = found[0].load()
-    return factory(**options)
+    return factory
+
+
+def token_budget(tokenizer: object, max_genes: int) -> dict[str, Any]:
+    """The sequence budget a front end passes to a named or given ``tokenizer`` when its user
+    set none: ``{"max_genes": max_genes}``, or nothing for a tokenizer whose class says it
+    keeps every gene (``takes_max_genes = False``, as ``sparse``). A name that is no tokenizer
+    (a preset's) gets the budget; :func:`make_tokenizer` reports unknown names.
+    """
+    kind: object = tokenizer
+    if isinstance(tokenizer, str):
+        try:
+            kind = _factory(tokenizer)
+        except ValueError:
+            return {"max_genes": max_genes}
+    return {"max_genes": max_genes} if getattr(kind, "takes_max_genes", True) else {}

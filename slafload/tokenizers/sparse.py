@@ -13,7 +13,6 @@ columns beside them; :func:`sparse_csr` turns it into a ``torch.sparse_csr_tenso
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +38,7 @@ class Sparse:
 
     name = "sparse"
     ranks_genes = False
+    takes_max_genes = False
 
     def __init__(self, *, max_genes: int | None = None):
         if max_genes is not None:
@@ -58,15 +58,6 @@ class Sparse:
             "tokenizer 'sparse' makes CSR batches, not padded rows: use it through a Loader "
             "with layout='packed' (its default)"
         )
-
-
-def token_budget(tokenizer: object, max_genes: int) -> dict[str, Any]:
-    """The sequence budget a front end passes to a named or given ``tokenizer`` when its user
-    set none: ``{"max_genes": max_genes}``, or nothing for ``sparse``, which keeps every gene
-    and takes no budget.
-    """
-    keeps_every_gene = tokenizer == "sparse" or isinstance(tokenizer, Sparse)
-    return {} if keeps_every_gene else {"max_genes": max_genes}
 
 
 def sparse_csr(

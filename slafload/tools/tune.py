@@ -42,7 +42,7 @@ import numpy as np
 
 from slafload.data.dataset import SlafDataset
 from slafload.samplers import BlockShuffle
-from slafload.tokenizers.sparse import token_budget
+from slafload.tokenizers.builtin import token_budget
 from slafload.tools.diversity import entropy
 from slafload.tools.progress import progress_bar
 

@@ -15,6 +15,7 @@ from slafload import Loader, Mixture, open_dataset
 from slafload.errors import LayoutError
 from slafload.samplers import BlockShuffle
 from slafload.tokenizers import Sparse, make_tokenizer, sparse_csr
+from slafload.tokenizers.builtin import token_budget
 from slafload.tools.writer import write_slaf
 
 pytestmark = [
@@ -131,6 +132,16 @@ def test_max_genes_is_refused_since_every_gene_is_kept(unsorted_atlas):
         Loader(str(unsorted_atlas), tokenizer="sparse", max_genes=64)
     with pytest.raises(ValueError, match="takes no max_genes"):
         make_tokenizer("sparse", max_genes=8)
+
+
+def test_a_tokenizer_keeping_every_gene_gets_no_budget_whoever_made_it():
+    class KeepsAll(Sparse):
+        name = "keeps_all"  # a third party's, not registered
+
+    for tokenizer in ["sparse", Sparse(), KeepsAll(), KeepsAll]:
+        assert token_budget(tokenizer, 64) == {}, tokenizer
+    for tokenizer in ["raw", "geneformer", make_tokenizer("scgpt"), "geneformer-v2", "nope"]:
+        assert token_budget(tokenizer, 64) == {"max_genes": 64}, tokenizer
 
 
 def test_device_tokenizing_is_refused(unsorted_atlas):
