@@ -20,6 +20,13 @@ from slafload.tools.writer import CsrBlock, write_slaf
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (20-40 s each) run first, the rest in file order: xdist hands
+    each worker a contiguous share and idle workers steal from the ends, so the run then
+    never waits at its end on one worker finishing a long test."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def load_script(relative: str) -> ModuleType:
     """A script of the repository (``benchmarks/scale.py``, ``examples/train_mlm.py``)
     imported as a module, so tests can call its functions.

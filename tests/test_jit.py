@@ -139,6 +139,7 @@ def test_close_mid_compile_returns_promptly_and_leaves_nothing_running(tmp_path)
     assert not [n for n in cache_files(tmp_path / "cache") if ".tmp." in n]
 
 
+@pytest.mark.slow
 def test_four_processes_with_one_empty_cache_share_it(tmp_path):
     cache = tmp_path / "cache"
     command = [sys.executable, "-c", FILL_RUNS, "auto"]

@@ -122,6 +122,7 @@ def test_stateful_dataloader_with_two_workers_resumes_exactly(
 
 
 @DROPPED_WORKER_ABORT
+@pytest.mark.slow
 def test_persistent_workers_resume_exactly_across_epochs(atlas, stateful_dataloader):
     settings = {"num_workers": 2, "persistent_workers": True, **SPAWN}
     loader = stateful_dataloader(uneven_dataset(atlas), **settings)
