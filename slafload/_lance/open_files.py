@@ -145,13 +145,14 @@ class OpenFiles:
         self._decoder = self.ranged is not None  # the mini-block decode kernel is loaded
         self._open: OrderedDict[tuple[int, tuple[str, ...]], _Open] = OrderedDict()
         self._lock = threading.Lock()  # guards _open against workers opening readers
-        self._session: Any | None = None  # a LanceFileSession where pylance has one
+        self._session: Any | None = None  # a LanceFileSession, once a Lance reader needs it
+        self._session_base: str | None = None  # the files' folder, where they share one
+        self._session_lock = threading.Lock()
         self.table: Matched | None = None  # field-id names and deletions (set by examine)
         self._notice: str | None = None  # why a data file is read through Lance
         self._warned = False
         if remote and len({p.rsplit("/", 1)[0] for p in self.paths}) == 1:
-            base = self.paths[0].rsplit("/", 1)[0]
-            self._session = file_session(base, self.storage_options)
+            self._session_base = self.paths[0].rsplit("/", 1)[0]
 
     def _open_window(self, pieces: list[tuple[int, int, int, int]], cols: tuple[str, ...]) -> None:
         """Open the files of a window's ``pieces`` that are not open yet, flat from their
@@ -197,11 +198,25 @@ class OpenFiles:
     def _new_reader(self, index: int, cols: tuple[str, ...] | None) -> LanceFileReader:
         """Lance's reader of ``cols`` of data file ``index`` (``None``: every column)."""
         columns = None if cols is None else list(cols)
-        if self._session is not None:
-            return self._session.open_reader(self.paths[index].rsplit("/", 1)[1], columns)
+        session = self._lance_session()
+        if session is not None:
+            return session.open_reader(self.paths[index].rsplit("/", 1)[1], columns)
         return LanceFileReader(
             self.paths[index], storage_options=self.storage_options, columns=columns
         )
+
+    def _lance_session(self) -> Any | None:
+        """The ``LanceFileSession`` Lance's readers of the files share, made on first use
+        (``None`` for local files, or on pylance releases without one). Not at construction:
+        making one costs the producer thread ~5-20 ms (an object-store client), paid by every
+        loader of a dataset on ``s3://``, whose reads seldom need a Lance reader there.
+        """
+        with self._session_lock:
+            if self._session is None and self._session_base is not None:
+                self._session = file_session(self._session_base, self.storage_options)
+                if self._session is None:  # pylance without sessions: readers of their own
+                    self._session_base = None
+            return self._session
 
     def stored_schema(self) -> Any:
         """The schema the first data file stores, as Lance's metadata has it."""
