@@ -11,14 +11,15 @@ read depends on their shape (numbers in docs/sampling.md):
 - many ranges (block sampling): ranges whose gaps are short are coalesced into spans (scanning
   a gap row costs a few ns, a separate range request ~0.2-0.5 ms), unless the spans would hold
   more than 32 times the wanted rows (sparse single cells are cheaper by row id); spans of 1Mi
-  rows or more (64Ki without kept-open readers, or on object stores) are scanned, all shorter
+  rows or more (64Ki without kept-open readers, or on other object stores) are scanned, all shorter
   spans are read through kept-open Lance file readers
   (:mod:`slafload._lance.data_files`, where that is exact; else with one ``take_scan`` call, whose
   per-range cost grows with the number of data files) or, when they are tiny (single cells
   of a few hundred rows), one ``take`` of their row ids; the wanted rows are zero-copy slices
-  of the spans. On ``s3://`` no span is scanned: range requests read each span whole where
-  its gap rows are worth the requests they save, else its ranges alone
-  (:mod:`slafload._lance.ranged`).
+  of the spans. On ``s3://`` range requests read each span whole where its gap rows are worth
+  the requests they save, else its ranges alone (:mod:`slafload._lance.ranged`); a fetch
+  that is one span of 1Mi rows or more read whole (a chunk's first cells, or the rest of it)
+  is one Lance scan there, as a fetch of one range is.
 
 Every Lance stream of a fetch is opened and started (its first batch pulled) before the first
 batch is handed on, so Lance decodes the rest of each stream on its own threads; a caller that
@@ -64,7 +65,7 @@ MAX_GAP_ROWS = 1 << 17  # gaps up to this many rows are scanned through rather t
 MAX_READ_AMPLIFICATION = 32  # ...unless that reads more than this many times the wanted rows
 TAKE_BELOW_ROWS = 512  # spans shorter than this on average are read by row id
 SCAN_FROM_ROWS = 1 << 16  # spans this long are scanned (take_scan is slower per row)
-DIRECT_SCAN_FROM_ROWS = 1 << 20  # ...or this long, when open file readers read local files
+DIRECT_SCAN_FROM_ROWS = 1 << 20  # ...or this long, when open file readers or requests read
 REQUEST_ROWS = 1 << 14  # rows (~40 KB) a range request is worth reading through instead...
 SHORT_RANGE_ROWS = 1 << 12  # ...where a span's ranges are this short on average
 COMPACT_FROM = 8  # spans reading this many times their wanted rows keep only those, at once
@@ -221,20 +222,22 @@ class Reader:
         # (Long scanned spans are not compacted: copying the rows of a 500k-cell atlas's
         # `BlockShuffle(1, 1024)` scans raised its peak RSS from ~1.0 to ~1.4 GB.)
         sparse = (spans[:, 1] - spans[:, 0] >= COMPACT_FROM * (own[last + 1] - own[first])).tolist()
+        long = spans[:, 1] - spans[:, 0] >= self._scan_from()
+        whole: list[bool] | None = None
         if self._ranged():  # range requests read every span, gap rows only where worth it
             wanted = own[last + 1] - own[first]
             gaps = spans[:, 1] - spans[:, 0] - wanted
             short = wanted < SHORT_RANGE_ROWS * (last + 1 - first)
-            whole = gaps <= np.where(short, 3 * REQUEST_ROWS * (last - first), wanted // 2)
-            yield from itertools.chain.from_iterable(
-                self._read_short(spans, ranges, np.arange(len(spans)), sparse, whole.tolist())
-            )
-            return
-        long = spans[:, 1] - spans[:, 0] >= self._scan_from()
+            read_whole = gaps <= np.where(short, 3 * REQUEST_ROWS * (last - first), wanted // 2)
+            whole = read_whole.tolist()
+            # A fetch that is one long span read whole (a chunk's first cells, then the rest
+            # of it, where the first batch is read first) is a contiguous read: one Lance scan,
+            # as a one-range fetch and take_scan read it. Scattered spans keep the requests.
+            long &= read_whole & (len(spans) == 1)
         # A scanner per long span and one Lance call for all short ones, all started before the
         # first batch is handed on; then the wanted rows of each span, in span order.
         scans = {i: started(self._scan(*spans[i].tolist())) for i in np.flatnonzero(long).tolist()}
-        shorts = self._read_short(spans, ranges, np.flatnonzero(~long), sparse)
+        shorts = self._read_short(spans, ranges, np.flatnonzero(~long), sparse, whole)
         for i, span in enumerate(ranges):
             yield from _cut(scans.pop(i), span, int(spans[i, 0])) if long[i] else next(shorts)
 
@@ -249,11 +252,12 @@ class Reader:
         Kept-open file readers on local storage read a span of up to a data file's worth
         faster than a scanner, whose creation runs on the producer: on the 5M-cell atlas,
         ``BlockShuffle(1, 256)`` fetches hold ~840 spans of 64Ki-1Mi rows (docs/sampling.md).
-        ``take_scan`` (no direct path) and object stores other than ``s3://`` keep
-        :data:`SCAN_FROM_ROWS` (``s3://`` spans are all read by range requests: :meth:`_read_many`).
+        On ``s3://`` range requests read shorter spans, and only a fetch that is one span read
+        whole is scanned from there (:meth:`_read_many`). ``take_scan`` (no direct path) and
+        other object stores keep :data:`SCAN_FROM_ROWS`.
         """
         files = self.data_files()
-        if files is not None and not is_remote(self.dataset.uri):
+        if files is not None and (files.ranged is not None or not is_remote(self.dataset.uri)):
             return DIRECT_SCAN_FROM_ROWS
         return SCAN_FROM_ROWS
 
