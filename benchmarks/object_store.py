@@ -18,13 +18,16 @@ dataset the files it opened by range requests), interleaved (each first in turn)
   ``3 * 1000 / b`` requests per 1,000 cells (fewer where neighbouring blocks of a fetch share
   a request), and the bytes the table occupies per 1,000 cells (an epoch reads every row once);
 - cells/s through the proxy, and what the request model predicts from the counts:
-  ``cells/s = requests in flight / (requests per cell x latency)``.
+  ``cells/s = requests in flight / (requests per cell x latency)``;
+- per sampler, slafload's cells/s over take_scan's in each round (the two run back to back)
+  and their median, with the 1-minute load average before and after the rounds.
 
 moto and the forwarder are Python on the loader's own cores (~2 ms of CPU a request), so the
 cells/s here are bounded by them (~5k cells/s on 2 cores); the request counts carry over.
 
     python benchmarks/object_store.py                # ~1-2 minutes on 2 busy cores
     python benchmarks/object_store.py --cells 50000 --rounds 3
+    python benchmarks/object_store.py --samplers ChunkShuffle --rounds 15
 
 Writes ``benchmarks/results/object_store.json`` and ``.png``.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -99,6 +103,12 @@ def summary(runs: list[dict[str, float]], range_cells: int, stored_per_cell: flo
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from moto.server import ThreadedMotoServer
 
+    plans = samplers(args.fetch_factor)
+    if args.samplers:
+        unknown = set(args.samplers) - set(plans)
+        if unknown:
+            raise SystemExit(f"--samplers: unknown {sorted(unknown)}; use {list(plans)}")
+        plans = {name: plans[name] for name in args.samplers}
     work = Path(args.data or tempfile.mkdtemp(prefix="slafload-s3-"))
     local = work / f"atlas-{args.cells}-{args.nnz}.slaf"
     if not (local / "config.json").exists():
@@ -113,11 +123,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         with S3Proxy(f"http://{host}:{port}", latency=args.latency) as proxy:
             dataset = open_dataset(uri, storage_options=storage_options(proxy.endpoint))
             stored_per_cell = stored / dataset.n_cells
-            plans = samplers(args.fetch_factor)
             runs: dict[str, list[dict[str, float]]] = {}
             for reader in READERS.values():  # warm-up: kernels, imports, each file's metadata
                 epoch(dataset, BlockShuffle(block_size=256, fetch_factor=16, batch_size=BATCH),
                       reader, proxy)  # fmt: skip
+            load = [os.getloadavg()[0]]  # other work on the machine moves cells/s most
             for i in range(args.rounds):
                 for j, (name, (sampler, _)) in enumerate(plans.items()):
                     order = list(READERS.items())[:: 1 if (i + j) % 2 else -1]
@@ -125,6 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         got = epoch(dataset, sampler, reader, proxy)
                         runs.setdefault(f"{name} {who}", []).append(got)
                         print(f"{name:24s} {who:9s} {got}", flush=True)
+            load.append(os.getloadavg()[0])
     finally:
         server.stop()
     results = {
@@ -137,9 +148,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "requests_in_flight": REQUESTS_IN_FLIGHT,
             "stored_bytes": stored,
             "machine": platform.platform(),
+            "load_avg_start_end": load,
         },
         "results": results,
+        "same_round_ratios": same_round_ratios(runs),
     }
+
+
+def same_round_ratios(runs: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, Any]]:
+    """Per sampler, slafload's cells/s over take_scan's in each round (run back to back, so
+    the machine's other load moves both alike), sorted, and their median.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for key in runs:
+        name, who = key.rsplit(" ", 1)
+        if who != "slafload" or f"{name} take_scan" not in runs:
+            continue
+        ratios = sorted(
+            (a["cells"] / a["seconds"]) / (b["cells"] / b["seconds"])
+            for a, b in zip(runs[key], runs[f"{name} take_scan"], strict=True)
+        )
+        out[name] = {"ratios": ratios, "median": statistics.median(ratios)}
+    return out
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -179,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--data", help="where the atlas is written (kept for reruns)")
     parser.add_argument("--out", default="benchmarks/results/object_store.json")
+    parser.add_argument("--samplers", nargs="+", metavar="NAME",
+                        help="only these rows (ChunkShuffle, 'BlockShuffle(16, 4)', ...)")  # fmt: skip
     args = parser.parse_args(argv)
     report = run(args)
     out = Path(args.out)
@@ -190,6 +222,10 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['floor_requests_per_1k_cells']:6.1f})  {r['bytes_per_1k_cells'] / 1e6:6.2f} "
               f"MB/1k (stored {r['stored_bytes_per_1k_cells'] / 1e6:5.2f})  "
               f"{r['cells_per_s']:7.0f} cells/s (model {r['model_cells_per_s']:7.0f})")  # fmt: skip
+    for name, r in report["same_round_ratios"].items():
+        print(f"{name:24s} slafload / take_scan cells/s, same round: median {r['median']:.3f} "
+              f"(range {r['ratios'][0]:.2f}-{r['ratios'][-1]:.2f}); load average "
+              f"{report['settings']['load_avg_start_end']}")  # fmt: skip
 
 
 if __name__ == "__main__":
