@@ -50,6 +50,7 @@ def test_a_dataset_on_s3_yields_the_tokens_of_its_local_copy(tmp_path, s3_endpoi
         pairs = zip(reader.read(rows, COLUMNS), local_files.read(rows, COLUMNS), strict=True)
         for got, want in pairs:
             assert pa.Table.from_batches(list(got)).equals(pa.Table.from_batches(list(want)))
+    assert ranged._session is None  # range requests: no Lance file session made
     blocks = {"sampler": BlockShuffle(block_size=3, fetch_factor=2, batch_size=16)}
     for tokenizer, settings in [("geneformer", {}), ("scgpt", {}), ("scgpt", blocks),
                                 ("geneformer", "direct")]:  # fmt: skip
