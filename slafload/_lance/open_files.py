@@ -208,7 +208,7 @@ class OpenFiles:
     def _lance_session(self) -> Any | None:
         """The ``LanceFileSession`` Lance's readers of the files share, made on first use
         (``None`` for local files, or on pylance releases without one). Not at construction:
-        making one costs the producer thread ~5-20 ms (an object-store client), paid by every
+        making one costs the producer thread ~15-20 ms (an object-store client), paid by every
         loader of a dataset on ``s3://``, whose reads seldom need a Lance reader there.
         """
         with self._session_lock:
