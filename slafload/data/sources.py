@@ -67,6 +67,15 @@ class CellColumn:
 
     def __getitem__(self, cells: np.ndarray) -> np.ndarray:
         cells = np.asarray(cells, dtype=np.int64)
+        kinds = {type(part) for part in self.parts}
+        if kinds <= {int, type(None)} and len(kinds) == 1:
+            # source codes, or ids within the source (every batch of a mixture carries both):
+            # one search for the cells' sources, a gather and at most one subtraction, where
+            # a lookup per source costs a dozen passes over a piece's interleaved cells
+            src = np.searchsorted(self.offsets[1 : len(self.parts)], cells, side="right")
+            if kinds == {int}:
+                return np.asarray(self.parts, dtype=np.int64)[src]
+            return cells - self.offsets[src]
         out = np.empty(len(cells), dtype=np.int64)
         for k, mask in _by_source(self.offsets, cells, len(self.parts)):
             local = cells[mask] - self.offsets[k]

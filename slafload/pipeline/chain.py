@@ -147,7 +147,7 @@ def build_chain(
     s = observe("assemble", Assemble(s, ds, checked))
     s = observe("shuffle", Shuffle(s))
     s = observe("transform", Transform(s, spec.transforms))
-    s = observe("split", Split(s, tuning.piece_cells, spec.kernels))
+    s = observe("split", Split(s, tuning.piece_cells))
     s = token_stages(
         s, spec.tokens, obs=spec.obs, batch_size=cfg.batch_size, drop_last=cfg.drop_last,
         kernels=spec.kernels, observe=observe,

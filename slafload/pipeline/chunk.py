@@ -148,16 +148,61 @@ def split(
     concatenated outputs of the pieces equal rows ``[start, stop)`` of the whole chunk; their
     rows are gathered with ``kernels`` where compiled (:func:`gather_runs`).
     """
+    for cut in cuts(chunk, start, stop, size):
+        yield cut.gather(kernels)
+
+
+def cuts(chunk: Chunk, start: int, stop: int, size: int) -> Iterator[Cut]:
+    """Output rows ``[start, stop)`` of ``chunk`` as :class:`Cut` pieces of at most ``size``
+    cells, not gathered yet (:func:`split` gathers them at once).
+    """
     if start == 0 and stop >= chunk.n_cells and chunk.n_cells <= size:
-        yield chunk
+        yield Cut(chunk, None)
         return
     for first in range(start, stop, size):
-        cells = chunk.order[first : min(first + size, stop)]
+        yield Cut(chunk, chunk.order[first : min(first + size, stop)])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Cut:
+    """A piece of a chunk before its rows are gathered: the chunk's read-order cells
+    ``cells`` in output order (``None``: the whole chunk, as it is).
+
+    :class:`Split` hands pieces on in this form and the token worker gathers each one
+    (:meth:`gather`) as the first step of its work, so the copy of a piece's rows runs
+    beside the producer rather than on it (a fetch larger than a piece, e.g. a mixture's
+    fetch of one block per source, is gathered piece by piece).
+    """
+
+    chunk: Chunk
+    cells: np.ndarray | None
+
+    @property
+    def fetch_index(self) -> int:
+        """The fetch the piece's chunk was read for."""
+        return self.chunk.fetch_index
+
+    @property
+    def cell_ids(self) -> np.ndarray:
+        """The piece's cell ids, in output order."""
+        c = self.chunk
+        return c.cell_ids[c.order] if self.cells is None else c.cell_ids[self.cells]
+
+    def gather(self, kernels: Kernels = NUMPY) -> Chunk:
+        """The piece as a chunk of its own, in output order (the chunk itself if whole)."""
+        chunk, cells = self.chunk, self.cells
+        if cells is None:
+            return chunk
         indptr, (genes, values) = gather_runs(
             chunk.indptr, [chunk.genes, chunk.values], cells, kernels
         )
-        yield Chunk(chunk.fetch_index, chunk.cell_ids[cells], indptr, genes, values,
-                    np.arange(len(cells), dtype=np.int64))  # fmt: skip
+        return Chunk(chunk.fetch_index, chunk.cell_ids[cells], indptr, genes, values,
+                     np.arange(len(cells), dtype=np.int64))  # fmt: skip
+
+
+def gathered(piece: Chunk | Cut, kernels: Kernels = NUMPY) -> Chunk:
+    """``piece`` as a chunk: a :class:`Cut` gathered, a chunk as it is."""
+    return piece.gather(kernels) if isinstance(piece, Cut) else piece
 
 
 def _column(table: pa.Table, name: str) -> np.ndarray:
@@ -333,23 +378,22 @@ class Transform(Stage[tuple[Part, Chunk]]):
         return part, chunk
 
 
-class Split(Stage[Tagged[Chunk]]):
+class Split(Stage[Tagged[Cut]]):
     """The output rows ``[part.skip, part.keep)`` of each chunk as pieces of at most
     ``piece_cells`` cells, in output order, each tagged with the part's leg (the last piece of
     a part that ends its leg ends it).
 
     A fetch is the unit of I/O and shuffling; a piece is the unit of ranking and tokenizing,
-    which keeps the token arrays small however large a sampler's fetches are.
+    which keeps the token arrays small however large a sampler's fetches are. Pieces are
+    handed on as :class:`Cut` s: the token worker gathers their rows.
     """
 
-    def __init__(
-        self, source: Iterator[tuple[Part, Chunk]], piece_cells: int, kernels: Kernels = NUMPY
-    ):
+    def __init__(self, source: Iterator[tuple[Part, Chunk]], piece_cells: int):
         super().__init__(source)
-        self.piece_cells, self.kernels = piece_cells, kernels
-        self._pieces: Iterator[Tagged[Chunk]] = iter(())
+        self.piece_cells = piece_cells
+        self._pieces: Iterator[Tagged[Cut]] = iter(())
 
-    def __next__(self) -> Tagged[Chunk]:
+    def __next__(self) -> Tagged[Cut]:
         while True:
             piece = next(self._pieces, None)
             if piece is not None:
@@ -357,8 +401,7 @@ class Split(Stage[Tagged[Chunk]]):
             part, chunk = next(self.source)
             self._pieces = self._tagged(part, chunk)
 
-    def _tagged(self, part: Part, chunk: Chunk) -> Iterator[Tagged[Chunk]]:
+    def _tagged(self, part: Part, chunk: Chunk) -> Iterator[Tagged[Cut]]:
         last = len(range(part.skip, part.keep, self.piece_cells)) - 1
-        pieces = split(chunk, part.skip, part.keep, self.piece_cells, self.kernels)
-        for i, piece in enumerate(pieces):
+        for i, piece in enumerate(cuts(chunk, part.skip, part.keep, self.piece_cells)):
             yield Tagged(piece, part.leg, part.ends_leg and i == last)

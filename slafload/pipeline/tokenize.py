@@ -31,6 +31,7 @@ from slafload.config import LoaderConfig
 from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline.batcher import Batches
 from slafload.pipeline.buffers import RowBuffers
+from slafload.pipeline.chunk import Cut, gathered
 from slafload.pipeline.layout import (
     Arrays,
     Layout,
@@ -61,7 +62,7 @@ class TokenStage(Protocol):
 
 
 def token_stages(
-    pieces: Iterator[Tagged[Chunk]],
+    pieces: Iterator[Tagged[Chunk | Cut]],
     tokens: TokenStage,
     *,
     obs: Mapping[str, Any],
@@ -73,7 +74,8 @@ def token_stages(
     """The producer's token work on ``pieces``: rank -> tokenize -> batch -> layout.
 
     Args:
-        pieces: Tagged pieces (:class:`~slafload.pipeline.chunk.Split`).
+        pieces: Tagged pieces (:class:`~slafload.pipeline.chunk.Split`), each gathered
+            (:class:`~slafload.pipeline.chunk.Cut`) on the token worker before its work.
         tokens: The loader's token stage.
         obs: Obs column name to ``int64`` code per cell id (see :class:`Tokenize`).
         batch_size: Rows per batch.
@@ -81,7 +83,11 @@ def token_stages(
         kernels: The chain's compiled kernels; the layout stage closes them.
         observe: Called with each stage's name as it is built; returns the stage to use.
     """
-    s: Stage[Any] = observe("rank", TokenWorker(pieces, tokens.rows, lookahead=1))
+
+    def work(piece: Chunk | Cut) -> tuple[Arrays, np.ndarray]:
+        return tokens.rows(gathered(piece, kernels))
+
+    s: Stage[Any] = observe("rank", TokenWorker(pieces, work, lookahead=1))
     s = observe("tokenize", Tokenize(s, obs))
     s = observe("batch", Batches(s, batch_size, drop_last=drop_last))
     return observe("layout", LayOut(s, tokens.finish, kernels))
@@ -175,11 +181,11 @@ class TokenWorker(Stage[Tagged[Any]]):
     """
 
     def __init__(
-        self, source: Iterator[Tagged[Chunk]], work: Callable[[Chunk], Any], *, lookahead: int = 1
+        self, source: Iterator[Tagged[Any]], work: Callable[[Any], Any], *, lookahead: int = 1
     ):
         super().__init__(source)
         self.work, self.lookahead = work, lookahead
-        self._pending: list[tuple[Tagged[Chunk], Future[Any]]] = []
+        self._pending: list[tuple[Tagged[Any], Future[Any]]] = []
         self._failure: BaseException | None = None
         self._worker: ThreadPoolExecutor | None = None
         self._first = True

@@ -70,3 +70,28 @@ def test_one_entry_builds_the_token_work_and_batches_each_leg(small_slaf):
     ids = np.concatenate([b.item["cell_integer_id"] for b in out])
     np.testing.assert_array_equal(ids, np.arange(100))
     assert out[0].item["input_ids"].shape == (16, 8)
+
+
+def test_the_token_worker_gathers_cut_pieces_as_split_would(small_slaf):
+    from slafload.pipeline.chunk import cuts, shuffle, split
+
+    ds = open_dataset(small_slaf)
+    config = LoaderConfig(batch_size=16, max_genes=8)
+    kernels = Kernels(config.kernels)
+    tokens = make_token_stage(Geneformer(max_genes=8), config, kernels)
+    fetch = Streaming(chunk_cells=100).plan(ds.n_cells, seed=0, epoch=0)[0]
+    chunk = shuffle(assemble(fetch, Reader(ds).read(fetch), ds.cell_start), 5)
+
+    def batches(pieces):
+        stages = token_stages(iter([Tagged(p) for p in pieces]), tokens, obs={}, batch_size=16,
+                              drop_last=False, kernels=kernels)  # fmt: skip
+        out = [b.item for b in stages]
+        stages.close()
+        return out
+
+    cut = list(cuts(chunk, 3, 90, 32))
+    assert all(c.chunk is chunk for c in cut)  # handed on ungathered
+    for got, want in zip(batches(cut), batches(split(chunk, 3, 90, 32)), strict=True):
+        assert got.keys() == want.keys()
+        for key in got:
+            np.testing.assert_array_equal(got[key], want[key])
