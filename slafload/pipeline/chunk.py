@@ -168,10 +168,11 @@ class Cut:
     """A piece of a chunk before its rows are gathered: the chunk's read-order cells
     ``cells`` in output order (``None``: the whole chunk, as it is).
 
-    :class:`Split` hands pieces on in this form and the token worker gathers each one
-    (:meth:`gather`) as the first step of its work, so the copy of a piece's rows runs
-    beside the producer rather than on it (a fetch larger than a piece, e.g. a mixture's
-    fetch of one block per source, is gathered piece by piece).
+    :class:`Split` hands pieces on in this form and the token stage gathers each one
+    (:meth:`gather`) as the first step of its work, on the token worker or, while that is
+    busy, on the producer (:class:`~slafload.pipeline.tokenize.TokenWorker`), so the copy of
+    a piece's rows runs on whichever thread is free (a fetch larger than a piece, e.g. a
+    mixture's fetch of one block per source, is gathered piece by piece).
     """
 
     chunk: Chunk
@@ -385,7 +386,7 @@ class Split(Stage[Tagged[Cut]]):
 
     A fetch is the unit of I/O and shuffling; a piece is the unit of ranking and tokenizing,
     which keeps the token arrays small however large a sampler's fetches are. Pieces are
-    handed on as :class:`Cut` s: the token worker gathers their rows.
+    handed on as :class:`Cut` s: the token stage gathers their rows.
     """
 
     def __init__(self, source: Iterator[tuple[Part, Chunk]], piece_cells: int):

@@ -75,7 +75,8 @@ def token_stages(
 
     Args:
         pieces: Tagged pieces (:class:`~slafload.pipeline.chunk.Split`), each gathered
-            (:class:`~slafload.pipeline.chunk.Cut`) on the token worker before its work.
+            (:class:`~slafload.pipeline.chunk.Cut`) before its work, on the token worker or,
+            while that is busy, on the producer (:class:`TokenWorker`'s ``prepare``).
         tokens: The loader's token stage.
         obs: Obs column name to ``int64`` code per cell id (see :class:`Tokenize`).
         batch_size: Rows per batch.
@@ -84,10 +85,13 @@ def token_stages(
         observe: Called with each stage's name as it is built; returns the stage to use.
     """
 
-    def work(piece: Chunk | Cut) -> tuple[Arrays, np.ndarray]:
-        return tokens.rows(gathered(piece, kernels))
+    def gather(piece: Chunk | Cut) -> Chunk:
+        return gathered(piece, kernels)
 
-    s: Stage[Any] = observe("rank", TokenWorker(pieces, work, lookahead=1))
+    def work(piece: Chunk | Cut) -> tuple[Arrays, np.ndarray]:
+        return tokens.rows(gather(piece))
+
+    s: Stage[Any] = observe("rank", TokenWorker(pieces, work, lookahead=1, prepare=gather))
     s = observe("tokenize", Tokenize(s, obs))
     s = observe("batch", Batches(s, batch_size, drop_last=drop_last))
     return observe("layout", LayOut(s, tokens.finish, kernels))
@@ -178,13 +182,25 @@ class TokenWorker(Stage[Tagged[Any]]):
     so the first batch of a run waits for nothing else. If pulling the next piece fails, the
     pieces already started are handed on first and the failure is raised after them; a
     failure of the work itself is raised in its turn.
+
+    ``prepare``, when given, is a first step of the work (``work(prepare(x)) == work(x)``)
+    that runs on whichever thread is free: on the producer when the worker is still busy
+    with the piece before (the producer would only wait for it), else on the worker. A
+    mixture's pieces are gathered that way (:class:`~slafload.pipeline.chunk.Cut`): on the
+    worker where the producer bounds throughput (small cells), on the producer where ranking
+    and tokenizing do (large cells).
     """
 
     def __init__(
-        self, source: Iterator[Tagged[Any]], work: Callable[[Any], Any], *, lookahead: int = 1
+        self,
+        source: Iterator[Tagged[Any]],
+        work: Callable[[Any], Any],
+        *,
+        lookahead: int = 1,
+        prepare: Callable[[Any], Any] | None = None,
     ):
         super().__init__(source)
-        self.work, self.lookahead = work, lookahead
+        self.work, self.lookahead, self.prepare = work, lookahead, prepare
         self._pending: list[tuple[Tagged[Any], Future[Any]]] = []
         self._failure: BaseException | None = None
         self._worker: ThreadPoolExecutor | None = None
@@ -196,6 +212,9 @@ class TokenWorker(Stage[Tagged[Any]]):
         while self._failure is None and len(self._pending) <= ahead:
             try:
                 piece = next(self.source)
+                item = piece.item
+                if self.prepare is not None and self._busy():
+                    item = self.prepare(item)
             except StopIteration:
                 break
             except Exception as exc:  # deliver what was read before the failure, then raise
@@ -203,7 +222,7 @@ class TokenWorker(Stage[Tagged[Any]]):
                 break
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(1, thread_name_prefix="slafload-tokens")
-            self._pending.append((piece, self._worker.submit(self.work, piece.item)))
+            self._pending.append((piece, self._worker.submit(self.work, item)))
         if self._pending:
             piece, work = self._pending.pop(0)
             return piece.then(work.result())
@@ -211,6 +230,10 @@ class TokenWorker(Stage[Tagged[Any]]):
             failure, self._failure = self._failure, None
             raise failure
         raise StopIteration
+
+    def _busy(self) -> bool:
+        """Whether the worker is still working on a piece handed to it."""
+        return bool(self._pending) and not self._pending[-1][1].done()
 
     def close(self) -> None:
         """Wait out the work in flight (Polars must never send to nobody), end the worker,

@@ -39,6 +39,32 @@ def test_the_token_worker_works_ahead_and_raises_failures_in_their_turn():
     assert not [t for t in threading.enumerate() if t.name.startswith("slafload-tokens")]
 
 
+def test_a_piece_is_prepared_on_the_producer_only_while_the_worker_is_busy():
+    go, where = threading.Event(), {}
+
+    def prepare(x):
+        if isinstance(x, tuple):
+            return x
+        where[x] = threading.current_thread().name
+        if x == 3:
+            go.set()  # prepared here because piece 2's work is still running
+        return ("ready", x)
+
+    def work(x):
+        _, x = prepare(x)
+        if x == 2:
+            assert go.wait(10)
+        return x * 10
+
+    pieces = iter([Tagged(1), Tagged(2), Tagged(3), Tagged(4, ends=True)])
+    stage = TokenWorker(pieces, work, lookahead=1, prepare=prepare)
+    assert [next(stage).item for _ in range(4)] == [10, 20, 30, 40]
+    stage.close()
+    assert where[1].startswith("slafload-tokens")  # the worker was free
+    assert where[2].startswith("slafload-tokens")
+    assert where[3] == threading.current_thread().name  # the worker was busy with piece 2
+
+
 def test_one_entry_builds_the_token_work_and_batches_each_leg(small_slaf):
     ds = open_dataset(small_slaf)
     config = LoaderConfig(batch_size=16, max_genes=8)
