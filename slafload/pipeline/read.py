@@ -24,6 +24,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -205,7 +206,7 @@ class _Reading:
     part: Part
     groups: list[Fetch]
     cost: int
-    pending: PendingRead | None = None
+    pending: Future[PendingRead] | None = None
 
 
 class Read(Stage[Group]):
@@ -218,6 +219,14 @@ class Read(Stage[Group]):
     plan a later part (pulling it from the source) is raised only when that part's turn
     comes, after every batch of the parts before it; a failed read ahead is retried, or
     raised, only when its turn comes too.
+
+    A group of one contiguous range is one Lance scan, which decodes most of the group before
+    its first batch (``Tuning.batch_rows`` holds a chunk's rows) and the rest only as its
+    batches are pulled: such reads ahead are read whole, retries included, on a read thread
+    of this stage's own, so Lance decodes them while the producer computes (on the producer,
+    they held it for the whole decode: about half of its time with the default sampler).
+    Scattered groups are started on the producer, which only hands their reads to Lance's or
+    the data files' threads (:meth:`RetryingReader.start`).
 
     ``checked`` holds the cells whose rows the chunk stage has checked against
     ``cell_start_index`` (``Tuning.check_rows="once"``): a group of one contiguous range
@@ -245,6 +254,7 @@ class Read(Stage[Group]):
         self._exhausted = False
         self._first = True
         self._group = 0
+        self._scans: ThreadPoolExecutor | None = None  # starts one-range reads ahead
 
     def _plan(self, part: Part) -> _Reading:
         fetch = part.fetch
@@ -262,15 +272,29 @@ class Read(Stage[Group]):
         )
         return _Reading(part, groups, quarter if cost > half else cost)
 
-    def _start(self, fetch: Fetch) -> PendingRead:
-        """Start reading ``fetch``, without cell ids where its cells were checked before."""
+    def _start(self, fetch: Fetch) -> Future[PendingRead]:
+        """Start reading ``fetch``, without cell ids where its cells were checked before: a
+        read ahead of one range on the read thread, any other here.
+        """
         ranges, checked = fetch.ranges, self.checked
         again = (
             checked is not None
             and len(ranges) <= CHECKED_RANGES
             and all(checked.covers(*r) for r in ranges.tolist())
         )
-        return self.reader.start(fetch, cell_ids=not again)
+        if len(ranges) == 1 and not self._first:  # the run's first read is waited for at once
+            if self._scans is None:
+                self._scans = ThreadPoolExecutor(1, thread_name_prefix="slafload-scan")
+            return self._scans.submit(self._read_whole, fetch, not again)
+        started: Future[PendingRead] = Future()
+        started.set_result(self.reader.start(fetch, cell_ids=not again))
+        return started
+
+    def _read_whole(self, fetch: Fetch, cell_ids: bool) -> PendingRead:
+        """``fetch`` read whole (retries included; on the read thread), as a pending read
+        whose batches are all in.
+        """
+        return PendingRead(self.reader, fetch, self.reader.read(fetch, cell_ids=cell_ids), cell_ids)
 
     def _start_until(self, n: int, holding: int = 0) -> None:
         """Start reads until ``n`` are in flight or the next does not fit the budget."""
@@ -302,8 +326,9 @@ class Read(Stage[Group]):
             raise StopIteration
         reading, k = self._ahead[0], self._group
         assert reading.pending is not None
-        cell_ids = reading.pending.cell_ids
-        batches = list(reading.pending.result())
+        pending = reading.pending.result()
+        cell_ids = pending.cell_ids
+        batches = list(pending.result())
         last = k + 1 == len(reading.groups)
         if not last:  # decoded by Lance while this group is assembled
             reading.pending = self._start(reading.groups[k + 1])
@@ -317,6 +342,11 @@ class Read(Stage[Group]):
         return Group(reading.part, reading.groups[k], batches, last, cell_ids)
 
     def close(self) -> None:
-        """Drop the reads started ahead (Lance finishes them on its own threads)."""
+        """Drop the reads started ahead (Lance finishes them on its own threads), after the
+        read thread's start in progress, if any.
+        """
         self._ahead.clear()
+        scans, self._scans = self._scans, None
+        if scans is not None:
+            scans.shutdown(wait=True, cancel_futures=True)
         super().close()

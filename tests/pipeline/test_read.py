@@ -182,3 +182,31 @@ def test_a_non_transient_failure_of_a_started_read_surfaces_in_result(small_slaf
     with pytest.raises(ReadError, match="non-transient KeyError"):
         pending.result()
     assert flaky.calls[0] == 1
+
+
+def test_a_read_ahead_of_one_range_runs_off_the_producer_while_earlier_batches_flow(
+    small_slaf, monkeypatch
+):
+    # Fetch 3's read waits for the consumer to hold cells of fetch 1: had it been read on
+    # the producer (which starts it before handing fetch 1 on), it would wait out its gate.
+    received, gate, opened, threads = [0], threading.Event(), [], set()
+
+    class Gated(Reader):
+        def read(self, fetch, **kw):
+            threads.add(threading.current_thread().name.split("_")[0])
+            if fetch.index == 3:
+                opened.append(gate.wait(10))
+            yield from super().read(fetch, **kw)
+
+    monkeypatch.setattr(slafload.pipeline.reader, "Reader", Gated)
+    ids = []
+    with Loader(small_slaf, batch_size=16, chunk_cells=32, seed=3) as loader:
+        for batch in loader:
+            ids.append(batch["cell_integer_id"].numpy())
+            received[0] += len(ids[-1])
+            if received[0] >= 48:
+                gate.set()
+    assert opened == [True]
+    assert threads == {"slafload-producer", "slafload-scan"}  # the first read, then the rest
+    np.testing.assert_array_equal(np.sort(np.concatenate(ids)), np.arange(300))
+    assert not [t for t in threading.enumerate() if t.name.startswith("slafload-scan")]
