@@ -17,6 +17,7 @@ import slafload
 import slafload.kernels
 from slafload.kernels import Kernels, numba_available
 from slafload.pipeline.buffers import RowBuffers, copy_aligned_runs
+from slafload.pipeline.ranking import rank_by_keys
 from slafload.tokenizers import quantile_bins
 from slafload.types import RankedChunk
 
@@ -57,6 +58,31 @@ def test_compiled_quantile_bins_equal_numpy(dtype, n_bins, offset, out_dtype):
     got = quantile_bins(ranked, n_bins, offset, out_dtype, out, Kernels("numba"))
     assert got is out
     np.testing.assert_array_equal(got, want)
+
+
+@needs_numba
+@pytest.mark.parametrize(
+    ("gene_type", "value_type", "top"),
+    [(np.uint16, np.uint16, 40), (np.uint16, np.uint16, 65_535), (np.uint16, np.float32, 0),
+     (np.int32, np.int64, 1 << 20)],
+)  # fmt: skip  # 32-bit keys of small and of full-width counts, 64-bit keys (floats, wide ints)
+def test_compiled_rank_sort_equals_numpy(gene_type, value_type, top):
+    rng = np.random.default_rng(top)
+    lengths = rng.integers(0, 300, 200)
+    lengths[::13], lengths[1::17] = 0, 1  # empty and single-entry cells
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    genes = np.concatenate([rng.permutation(20_000)[:n] for n in lengths]).astype(gene_type)
+    if top:
+        values = rng.integers(1, top, len(genes), endpoint=True).astype(value_type)
+    else:
+        values = (rng.lognormal(0, 1.5, len(genes)) + 0.01).astype(value_type)
+    values[indptr[5] : indptr[6]] = values[indptr[5]]  # a cell of one value: ties by gene
+    want = rank_by_keys(indptr, genes, values, Kernels("numpy"))
+    got = rank_by_keys(indptr, genes, values, Kernels("numba"))
+    assert want is not None and got is not None
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
 
 
 @needs_numba
@@ -197,7 +223,7 @@ def test_loader_tokens_are_the_same_with_compiled_kernels(
     want = batches(atlas, tokenizer, layout, "numpy")
     assert not compiled
     got = batches(atlas, tokenizer, layout, "numba")
-    expected = {"copy_runs_1" if tokenizer == "geneformer" else "copy_runs_2"}
+    expected = {"copy_runs_1" if tokenizer == "geneformer" else "copy_runs_2", "sort_runs"}
     expected |= {"quantile_bins"} if tokenizer == "scgpt" else set()
     expected |= {"fill_runs"} if layout == "padded" else set()
     assert expected <= set(compiled)

@@ -23,13 +23,16 @@ import numpy as np
 import polars as pl
 
 from slafload._lance._compat import BackgroundQuery, collect_in_background
+from slafload.kernels import NUMPY, Kernels
 from slafload.pipeline.buffers import scratch
 from slafload.types import Chunk, RankedChunk
 
 
-def rank(chunk: Chunk) -> RankedChunk:
-    """Rank the genes of every cell of ``chunk`` (value descending, gene id ascending)."""
-    return start_rank(chunk).result()
+def rank(chunk: Chunk, kernels: Kernels = NUMPY) -> RankedChunk:
+    """Rank the genes of every cell of ``chunk`` (value descending, gene id ascending);
+    ``kernels`` sort the keys of :func:`rank_by_keys` where they are compiled.
+    """
+    return start_rank(chunk, kernels).result()
 
 
 class PendingRank:
@@ -67,7 +70,7 @@ class PendingRank:
         return RankedChunk(c.fetch_index, c.cell_ids, self._indptr, genes, values, c.order)
 
 
-def start_rank(chunk: Chunk) -> PendingRank:
+def start_rank(chunk: Chunk, kernels: Kernels = NUMPY) -> PendingRank:
     """Start ranking ``chunk`` (see :class:`PendingRank`).
 
     Genes and values that pack into one integer sort key of at most 64 bits (integer counts,
@@ -78,7 +81,7 @@ def start_rank(chunk: Chunk) -> PendingRank:
     indptr, genes, values = expressed(chunk)
     if not len(genes):
         return PendingRank(chunk, indptr, genes, values, None)
-    by_keys = rank_by_keys(indptr, genes, values)
+    by_keys = rank_by_keys(indptr, genes, values, kernels)
     if by_keys is not None:
         return PendingRank(chunk, indptr, *by_keys, None)
     cell = np.repeat(np.arange(chunk.n_cells, dtype=np.int32), np.diff(indptr))
@@ -122,14 +125,17 @@ def expressed(chunk: Chunk) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def rank_by_keys(
-    indptr: np.ndarray, genes: np.ndarray, values: np.ndarray
+    indptr: np.ndarray, genes: np.ndarray, values: np.ndarray, kernels: Kernels = NUMPY
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Each cell's ``(genes, values)`` in rank order, by sorting one integer key per entry.
 
     The key of an entry is ``(top - value) << gene_bits | gene``: ascending keys are values
     descending, ties by gene id ascending (a cell's genes are distinct, so keys never tie).
     Positive ``float`` values order as their bit patterns do. Each cell's keys are sorted in
-    place (numpy's SIMD sort on 32- or 64-bit integers) and decoded back.
+    place and decoded back: with compiled ``kernels``, every cell's in one call that releases
+    the GIL (``sort_runs``, radix passes: as fast as numpy's SIMD sort on ~800 small counts a
+    cell); else by numpy's SIMD sort, one call a cell, each taking the GIL back from the
+    producer thread.
 
     Returns ``None`` when the key would need more than 64 bits (``float64`` values, very
     wide integers); the caller then ranks another way. ``values`` must all be positive.
@@ -144,10 +150,12 @@ def rank_by_keys(
                        dtype=key_type, casting="unsafe")  # fmt: skip
     keys <<= gene_bits
     np.bitwise_or(keys, genes, out=keys, dtype=key_type, casting="unsafe")
-    bounds = indptr.tolist()
-    for start, stop in pairwise(bounds):
-        if stop - start > 1:
-            keys[start:stop].sort()
+    longest = int(np.diff(indptr).max()) if len(indptr) > 1 else 0
+    spare = scratch("rank_spare", longest, key_type)
+    if not kernels.run("sort_runs", keys, indptr, spare):
+        for start, stop in pairwise(indptr.tolist()):
+            if stop - start > 1:
+                keys[start:stop].sort()
     if genes.dtype.kind == "u" and genes.dtype.itemsize * 8 == gene_bits:
         ranked_genes = keys.astype(genes.dtype)  # the low bits are the gene
     else:

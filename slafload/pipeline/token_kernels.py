@@ -75,10 +75,46 @@ def _quantile_bins(values: np.ndarray, indptr: np.ndarray, n_bins: int, offset: 
             out[i] = k + offset
 
 
+def _sort_runs(keys: np.ndarray, indptr: np.ndarray, spare: np.ndarray) -> None:
+    """Each run ``keys[indptr[c]:indptr[c + 1]]`` sorted ascending in place
+    (:func:`~slafload.pipeline.ranking.rank_by_keys`' per-cell ``sort``), one compiled call for
+    every cell: least-significant-byte radix passes, ``spare`` (as long as the longest run, the
+    keys' type) taking every other pass. A byte that every key of a run shares is skipped (a
+    count's high bytes), so a cell of small counts takes three passes of its 32-bit keys.
+    """
+    n_bytes = keys.itemsize
+    count = np.zeros((n_bytes, 256), np.int64)
+    for c in range(len(indptr) - 1):
+        start, stop = indptr[c], indptr[c + 1]
+        n = stop - start
+        if n < 2:
+            continue
+        count[:] = 0
+        for j in range(start, stop):
+            for p in range(n_bytes):
+                count[p, (keys[j] >> (8 * p)) & 255] += 1
+        src, dst, moved = keys[start:stop], spare[:n], False
+        for p in range(n_bytes):
+            shift = 8 * p
+            if count[p, (src[0] >> shift) & 255] == n:
+                continue  # every key of the run has this byte
+            total = 0
+            for d in range(256):
+                total, count[p, d] = total + count[p, d], total
+            for j in range(n):
+                d = (src[j] >> shift) & 255
+                dst[count[p, d]] = src[j]
+                count[p, d] += 1
+            src, dst, moved = dst, src, not moved
+        if moved:
+            keys[start:stop] = src
+
+
 KERNELS = {
     "copy_runs_1": _copy_runs_1,
     "copy_runs_2": _copy_runs_2,
     "fill_runs": _fill_runs,
     "quantile_bins": _quantile_bins,
+    "sort_runs": _sort_runs,
 }
 """The kernels by the names :class:`slafload.kernels.Kernels` runs them under."""

@@ -117,7 +117,7 @@ class HostTokens:
         gets its genes in the chunk's own ascending order, unsorted.
         """
         ranks = getattr(self.tokenizer, "ranks_genes", True)
-        return self.tokenize(rank(piece) if ranks else in_gene_order(piece))
+        return self.tokenize(rank(piece, self.kernels) if ranks else in_gene_order(piece))
 
     def tokenize(self, ranked: RankedChunk) -> tuple[Arrays, np.ndarray]:
         """The token rows of a ranked piece, in the layout's dtype and piece form."""
