@@ -133,9 +133,9 @@ def rank_by_keys(
     descending, ties by gene id ascending (a cell's genes are distinct, so keys never tie).
     Positive ``float`` values order as their bit patterns do. Each cell's keys are sorted in
     place and decoded back: with compiled ``kernels``, every cell's in one call that releases
-    the GIL (``sort_runs``, radix passes: as fast as numpy's SIMD sort on ~800 small counts a
-    cell); else by numpy's SIMD sort, one call a cell, each taking the GIL back from the
-    producer thread.
+    the GIL (``sort_runs``: radix passes over the value's bytes alone where a cell's genes
+    ascend, as a chunk holds them); else by numpy's SIMD sort, one call a cell, each taking
+    the GIL back from the producer thread.
 
     Returns ``None`` when the key would need more than 64 bits (``float64`` values, very
     wide integers); the caller then ranks another way. ``values`` must all be positive.
@@ -152,7 +152,8 @@ def rank_by_keys(
     np.bitwise_or(keys, genes, out=keys, dtype=key_type, casting="unsafe")
     longest = int(np.diff(indptr).max()) if len(indptr) > 1 else 0
     spare = scratch("rank_spare", longest, key_type)
-    if not kernels.run("sort_runs", keys, indptr, spare):
+    low = key_type((1 << gene_bits) - 1)  # the gene: ascending in a chunk's cells
+    if not kernels.run("sort_runs", keys, indptr, spare, low, gene_bits // 8):
         for start, stop in pairwise(indptr.tolist()):
             if stop - start > 1:
                 keys[start:stop].sort()

@@ -75,12 +75,18 @@ def _quantile_bins(values: np.ndarray, indptr: np.ndarray, n_bins: int, offset: 
             out[i] = k + offset
 
 
-def _sort_runs(keys: np.ndarray, indptr: np.ndarray, spare: np.ndarray) -> None:
+def _sort_runs(keys: np.ndarray, indptr: np.ndarray, spare: np.ndarray, low_mask: Any,
+               from_byte: int) -> None:  # fmt: skip
     """Each run ``keys[indptr[c]:indptr[c + 1]]`` sorted ascending in place
     (:func:`~slafload.pipeline.ranking.rank_by_keys`' per-cell ``sort``), one compiled call for
-    every cell: least-significant-byte radix passes, ``spare`` (as long as the longest run, the
-    keys' type) taking every other pass. A byte that every key of a run shares is skipped (a
-    count's high bytes), so a cell of small counts takes three passes of its 32-bit keys.
+    every cell: stable least-significant-byte radix passes, ``spare`` (as long as the longest
+    run, the keys' type) taking every other pass.
+
+    A run already ascending in its low bits (``key & low_mask``: the gene, as a chunk holds
+    each cell's genes) is sorted from byte ``from_byte`` up: a stable sort by the bytes above
+    keeps the order of keys that tie on them. A byte that every key of a run shares is
+    skipped (a small count's high bytes), so a cell of counts under 256 with ``uint16`` genes
+    takes one pass.
     """
     n_bytes = keys.itemsize
     count = np.zeros((n_bytes, 256), np.int64)
@@ -89,12 +95,17 @@ def _sort_runs(keys: np.ndarray, indptr: np.ndarray, spare: np.ndarray) -> None:
         n = stop - start
         if n < 2:
             continue
+        first = from_byte
+        for j in range(start + 1, stop):
+            if keys[j] & low_mask <= keys[j - 1] & low_mask:
+                first = 0
+                break
         count[:] = 0
         for j in range(start, stop):
-            for p in range(n_bytes):
+            for p in range(first, n_bytes):
                 count[p, (keys[j] >> (8 * p)) & 255] += 1
         src, dst, moved = keys[start:stop], spare[:n], False
-        for p in range(n_bytes):
+        for p in range(first, n_bytes):
             shift = 8 * p
             if count[p, (src[0] >> shift) & 255] == n:
                 continue  # every key of the run has this byte
