@@ -91,7 +91,10 @@ def token_stages(
     def work(piece: Chunk | Cut) -> tuple[Arrays, np.ndarray]:
         return tokens.rows(gather(piece))
 
-    s: Stage[Any] = observe("rank", TokenWorker(pieces, work, lookahead=1, prepare=gather))
+    workers = getattr(tokens, "workers", 1)
+    s: Stage[Any] = observe(
+        "rank", TokenWorker(pieces, work, lookahead=1, prepare=gather, workers=workers)
+    )
     s = observe("tokenize", Tokenize(s, obs))
     s = observe("batch", Batches(s, batch_size, drop_last=drop_last))
     return observe("layout", LayOut(s, tokens.finish, kernels))
@@ -111,6 +114,15 @@ class HostTokens:
     layout: Layout
     buffers: RowBuffers = field(default_factory=RowBuffers)
     kernels: Kernels = NUMPY
+
+    @property
+    def workers(self) -> int:
+        """Pieces the token worker may work on at once: two for a built-in tokenizer, whose
+        work is a function of its piece (per-thread scratch, locked buffers, compiled loops
+        that release the GIL), so the token work of a piece-bound output uses both cores;
+        one for any other, which may not expect calls from two threads.
+        """
+        return 1 if _builtin(self.tokenizer) is None else 2
 
     def rows(self, piece: Chunk) -> tuple[Arrays, np.ndarray]:
         """Rank and tokenize ``piece``; a tokenizer reading no rank (``ranks_genes = False``)
@@ -173,7 +185,7 @@ def make_token_stage(tokenizer: Tokenizer, config: LoaderConfig, kernels: Kernel
 
 class TokenWorker(Stage[Tagged[Any]]):
     """Does each piece's token work (``work``: :meth:`TokenStage.rows`) ``lookahead`` pieces
-    ahead, on a worker thread.
+    ahead, on ``workers`` threads of its own (pieces at once).
 
     The worker thread is owned by this stage, so piece ``i + 1`` is ranked and tokenized while
     the producer cuts piece ``i`` into batches and assembles the next chunk (numpy releases the
@@ -198,9 +210,11 @@ class TokenWorker(Stage[Tagged[Any]]):
         *,
         lookahead: int = 1,
         prepare: Callable[[Any], Any] | None = None,
+        workers: int = 1,
     ):
         super().__init__(source)
         self.work, self.lookahead, self.prepare = work, lookahead, prepare
+        self.workers = workers
         self._pending: list[tuple[Tagged[Any], Future[Any]]] = []
         self._failure: BaseException | None = None
         self._worker: ThreadPoolExecutor | None = None
@@ -221,7 +235,9 @@ class TokenWorker(Stage[Tagged[Any]]):
                 self._failure = exc
                 break
             if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="slafload-tokens")
+                self._worker = ThreadPoolExecutor(
+                    self.workers, thread_name_prefix="slafload-tokens"
+                )
             self._pending.append((piece, self._worker.submit(self.work, item)))
         if self._pending:
             piece, work = self._pending.pop(0)
@@ -232,8 +248,8 @@ class TokenWorker(Stage[Tagged[Any]]):
         raise StopIteration
 
     def _busy(self) -> bool:
-        """Whether the worker is still working on a piece handed to it."""
-        return bool(self._pending) and not self._pending[-1][1].done()
+        """Whether every worker is still working on a piece handed to it."""
+        return sum(not work.done() for _, work in self._pending) >= self.workers
 
     def close(self) -> None:
         """Wait out the work in flight (Polars must never send to nobody), end the worker,

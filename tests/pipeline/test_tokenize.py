@@ -65,6 +65,33 @@ def test_a_piece_is_prepared_on_the_producer_only_while_the_worker_is_busy():
     assert where[3] == threading.current_thread().name  # the worker was busy with piece 2
 
 
+def test_two_token_workers_work_on_two_pieces_at_once_and_hand_them_on_in_order():
+    both = threading.Barrier(2, timeout=10)  # broken unless two pieces are worked at once
+
+    def work(piece):
+        if 1 <= piece <= 4:  # the first piece goes out alone; then two at a time
+            both.wait()
+        return piece * 10
+
+    pieces = iter([Tagged(i, ends=i == 5) for i in range(6)])
+    # One piece ahead: while the producer waits for piece i, piece i + 1 is worked on too.
+    stage = TokenWorker(pieces, work, lookahead=1, workers=2)
+    assert [t.item for t in stage] == [0, 10, 20, 30, 40, 50]
+    stage.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("slafload-tokens")]
+
+
+def test_built_in_tokenizers_get_two_token_workers_and_others_one(small_slaf):
+    config, kernels = LoaderConfig(max_genes=8), Kernels("numpy")
+    assert make_token_stage(Geneformer(max_genes=8), config, kernels).workers == 2
+
+    class Mine(Geneformer):
+        def __call__(self, ranked, **kw):
+            return super().__call__(ranked, **kw)
+
+    assert make_token_stage(Mine(max_genes=8), config, kernels).workers == 1
+
+
 def test_one_entry_builds_the_token_work_and_batches_each_leg(small_slaf):
     ds = open_dataset(small_slaf)
     config = LoaderConfig(batch_size=16, max_genes=8)
