@@ -6,7 +6,7 @@ loader's config (on the host, :class:`HostTokens`; on the training device,
 
 - on the producer, :func:`token_stages` builds the chain's token work from it, four stages
   named as the benchmark's stage profile names them: ``rank`` (:class:`TokenWorker`:
-  :meth:`TokenStage.rows` of each piece, one piece ahead on a thread of its own), ``tokenize``
+  :meth:`TokenStage.rows` of each piece, one piece ahead on threads of its own), ``tokenize``
   (:class:`Tokenize`: ``cell_integer_id`` and obs codes beside the rows), ``batch``
   (:class:`~slafload.pipeline.batcher.Batches`) and ``layout`` (:class:`LayOut`:
   :meth:`TokenStage.finish` of each batch, in the loader's layout, :mod:`slafload.pipeline.layout`);
@@ -187,9 +187,11 @@ class TokenWorker(Stage[Tagged[Any]]):
     """Does each piece's token work (``work``: :meth:`TokenStage.rows`) ``lookahead`` pieces
     ahead, on ``workers`` threads of its own (pieces at once).
 
-    The worker thread is owned by this stage, so piece ``i + 1`` is ranked and tokenized while
-    the producer cuts piece ``i`` into batches and assembles the next chunk (numpy releases the
-    GIL in its bulk work: both cores work; measured in docs/benchmarks.md). Results come back
+    The worker threads are owned by this stage, so piece ``i + 1`` is ranked and tokenized
+    while the producer cuts piece ``i`` into batches and assembles the next chunk (numpy and
+    the compiled kernels release the GIL in their bulk work: both cores work; measured in
+    docs/benchmarks.md); with two workers, piece ``i + 1`` is also worked on while the
+    producer waits for piece ``i``. Results come back
     in order, each with its piece's tag. The first piece goes out before the next is pulled,
     so the first batch of a run waits for nothing else. If pulling the next piece fails, the
     pieces already started are handed on first and the failure is raised after them; a
