@@ -2,8 +2,8 @@
 
 For container builds and new cluster nodes: the read kernels (:func:`slafload.kernels.warm_up`,
 nearly all the compile time) and the token kernels, compiled by short loader runs on tiny
-synthetic atlases (integer counts and float values) with each tokenizer, layout and token
-dtype whose kernels differ. numba keys cache entries by CPU model: run it on the machine (or
+synthetic atlases (integer counts and float values) with each built-in tokenizer, layout and
+token dtype whose kernels differ. numba keys cache entries by CPU model: run it on the machine (or
 the kind of machine) that trains.
 """
 
@@ -19,10 +19,11 @@ from slafload.tools.progress import progress_bar
 from slafload.tools.synthetic import write_atlas
 
 VALUE_DTYPES = ("uint16", "float32")
-TOKENIZERS = ("geneformer", "scgpt", "raw")
+TOKENIZERS = ("geneformer", "scgpt", "raw", "sparse")
 LAYOUTS = ("padded", "packed")
 TOKEN_DTYPES = ("int64", "int32")
-SMALL: dict[str, Any] = {"batch_size": 32, "max_genes": 48, "n_epochs": 1, "seed": 0}
+SMALL: dict[str, Any] = {"batch_size": 32, "n_epochs": 1, "seed": 0}
+MAX_GENES = 48
 
 
 def fill_cache(*, progress: bool = False) -> int:
@@ -32,11 +33,18 @@ def fill_cache(*, progress: bool = False) -> int:
         ImportError: numba is not installed (``pip install 'slafload[fast]'``).
     """
     from slafload.loader import Loader
+    from slafload.tokenizers.builtin import token_budget
 
     if not warm_up():
         raise ImportError("numba is not installed, so there is nothing to compile: "
                           "pip install 'slafload[fast]'")  # fmt: skip
-    runs = list(itertools.product(VALUE_DTYPES, TOKENIZERS, LAYOUTS, TOKEN_DTYPES))
+    runs = [
+        (dtype, tokenizer, layout, token_dtype)
+        for dtype, tokenizer, layout, token_dtype in itertools.product(
+            VALUE_DTYPES, TOKENIZERS, LAYOUTS, TOKEN_DTYPES
+        )
+        if token_budget(tokenizer, 1) or layout == "packed"  # sparse: CSR, packed only
+    ]
     bar = progress_bar(progress, len(runs), "warm-up", unit="run")
     with tempfile.TemporaryDirectory(prefix="slafload-warm-up-") as tmp:
         atlases = {
@@ -52,7 +60,8 @@ def fill_cache(*, progress: bool = False) -> int:
             for dtype in VALUE_DTYPES
         }
         for dtype, tokenizer, layout, token_dtype in runs:
-            settings: dict[str, Any] = {"layout": layout, "token_dtype": token_dtype}
+            settings: dict[str, Any] = {"layout": layout, "token_dtype": token_dtype,
+                                        **token_budget(tokenizer, MAX_GENES)}  # fmt: skip
             loader = Loader(
                 atlases[dtype], tokenizer=tokenizer, kernels="numba", **SMALL, **settings
             )
