@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import pyarrow as pa
 
 from slafload.config import RetryPolicy
@@ -44,7 +45,22 @@ from slafload.types import Fetch, Offsets
 # always read cell ids (checking thousands of short ranges costs more than it saves).
 CHECKED_RANGES = 16
 
+# A fetch of at most CHECKED_RANGES ranges, each of at least this many cells (a mixed fetch:
+# one range per source), is a few Lance scans, read ahead on the read thread as one range is.
+LONG_RANGE_CELLS = 512
+
 logger = logging.getLogger(__name__)
+
+
+def _scanned_whole(ranges: np.ndarray) -> bool:
+    """Whether a fetch of these cell ranges is read ahead on the read thread: one range (a
+    stream's chunk), or a few long ones (a mixed fetch, one per source). Block sampling's
+    short ranges are started on the producer, which hands them to the reader's threads.
+    """
+    lengths = ranges[:, 1] - ranges[:, 0]
+    return len(ranges) == 1 or (
+        len(ranges) <= CHECKED_RANGES and bool((lengths >= LONG_RANGE_CELLS).all())
+    )
 
 
 class FetchReader(Protocol):
@@ -220,7 +236,8 @@ class Read(Stage[Group]):
     comes, after every batch of the parts before it; a failed read ahead is retried, or
     raised, only when its turn comes too.
 
-    A group of one contiguous range is one Lance scan, which decodes most of the group before
+    A group of one contiguous range is one Lance scan (a mixed group of a few long ranges, one
+    per source, a few), which decodes most of the group before
     its first batch (``Tuning.batch_rows`` holds a chunk's rows) and the rest only as its
     batches are pulled: such reads ahead are read whole, retries included, on a read thread
     of this stage's own, so Lance decodes them while the producer computes (on the producer,
@@ -274,7 +291,8 @@ class Read(Stage[Group]):
 
     def _start(self, fetch: Fetch) -> Future[PendingRead]:
         """Start reading ``fetch``, without cell ids where its cells were checked before: a
-        read ahead of one range on the read thread, any other here.
+        read ahead of a few long ranges (:func:`_scanned_whole`) on the read thread, any other
+        here.
         """
         ranges, checked = fetch.ranges, self.checked
         again = (
@@ -282,7 +300,7 @@ class Read(Stage[Group]):
             and len(ranges) <= CHECKED_RANGES
             and all(checked.covers(*r) for r in ranges.tolist())
         )
-        if len(ranges) == 1 and not self._first:  # the run's first read is waited for at once
+        if _scanned_whole(ranges) and not self._first:  # the run's first read is waited for
             if self._scans is None:
                 self._scans = ThreadPoolExecutor(1, thread_name_prefix="slafload-scan")
             return self._scans.submit(self._read_whole, fetch, not again)

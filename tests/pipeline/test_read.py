@@ -17,7 +17,7 @@ import pytest
 import slafload.pipeline.reader
 from slafload import Loader, ReadError, open_dataset
 from slafload.config import RetryPolicy, Tuning
-from slafload.pipeline.read import RetryingReader
+from slafload.pipeline.read import CHECKED_RANGES, LONG_RANGE_CELLS, RetryingReader, _scanned_whole
 from slafload.pipeline.reader import Reader
 from slafload.samplers import Fetch
 
@@ -210,3 +210,17 @@ def test_a_read_ahead_of_one_range_runs_off_the_producer_while_earlier_batches_f
     assert threads == {"slafload-producer", "slafload-scan"}  # the first read, then the rest
     np.testing.assert_array_equal(np.sort(np.concatenate(ids)), np.arange(300))
     assert not [t for t in threading.enumerate() if t.name.startswith("slafload-scan")]
+
+
+def test_a_stream_chunk_or_a_mixed_fetch_is_read_ahead_whole_and_block_fetches_are_not():
+    def ranges(*lengths: int) -> np.ndarray:
+        stops = np.cumsum(np.array(lengths) + 10)
+        return np.stack([stops - np.array(lengths), stops], axis=1)
+
+    long = LONG_RANGE_CELLS
+    assert _scanned_whole(ranges(3))  # one range, however short
+    assert _scanned_whole(ranges(long, 2 * long))  # a mixed fetch: one range per source
+    assert _scanned_whole(ranges(*[long] * CHECKED_RANGES))
+    assert not _scanned_whole(ranges(*[long] * (CHECKED_RANGES + 1)))
+    assert not _scanned_whole(ranges(long, long - 1))
+    assert not _scanned_whole(ranges(*[256] * 16))  # BlockShuffle(256, 16)'s blocks
