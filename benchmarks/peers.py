@@ -538,6 +538,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds a child may take")
     p.add_argument("--data", default="slafload-bench/data/peers", help="where data is cached")
     p.add_argument("--out", default="slafload-bench/peers.json", help="JSON report (+ .png)")
+    p.add_argument(
+        "--no-warm-up",
+        dest="warm_up",
+        action="store_false",
+        help="skip `slafload warm-up` before the rounds (numba's cache is warm)",
+    )
     p.add_argument("--python", action="append", default=[], metavar="PEER=PATH",
                    help="run a peer (and its writer) in another interpreter, e.g. "
                    "annbatch=/venv312/bin/python (annbatch needs Python >= 3.12)")  # fmt: skip
@@ -591,7 +597,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plates = _plates_of(paths[key], data) if key == "slafload-shuffled" else spec["plates"]
         return {**spec, "path": paths[key], "plates": plates}
 
-    if any(n in SLAFLOAD for n in names):  # every kernel in numba's cache; not reported
+    if args.warm_up and any(n in SLAFLOAD for n in names):  # every kernel cached; not reported
         warm = [sys.executable, "-m", "slafload.tools.cli", "warm-up", "--no-progress"]
         subprocess.run(warm, check=True, timeout=args.timeout, stdout=subprocess.DEVNULL)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}

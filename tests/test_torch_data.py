@@ -95,30 +95,28 @@ def stateful_dataloader():
     return StatefulDataLoader
 
 
-@pytest.fixture(scope="module")
-def two_workers_full(atlas, stateful_dataloader):
-    full = ids(stateful_dataloader(uneven_dataset(atlas), num_workers=2, **SPAWN))
-    np.testing.assert_array_equal(np.sort(np.concatenate(full)), np.arange(N))
-    assert len(full) == 23
-    return full
-
-
 # 7: mid-epoch, the workers have prefetched ahead; 22: each worker has yielded 11 batches;
 # 23: worker 0 has run out (the loader has seen its end) while worker 1 has not.
-@DROPPED_WORKER_ABORT
-@pytest.mark.parametrize("stop_after", [7, 22, 23])
-def test_stateful_dataloader_with_two_workers_resumes_exactly(
-    atlas, stateful_dataloader, two_workers_full, stop_after
-):
-    loader = stateful_dataloader(uneven_dataset(atlas), num_workers=2, **SPAWN)
-    it = iter(loader)
-    head = [next(it)["cell_integer_id"].numpy().copy() for _ in range(stop_after)]
-    state = loader.state_dict()
-    del it, loader
+STOPS = (7, 22, 23)
 
-    resumed = stateful_dataloader(uneven_dataset(atlas), num_workers=2, **SPAWN)
-    resumed.load_state_dict(state)
-    assert_batch_for_batch_equal(head, ids(resumed), two_workers_full)
+
+@DROPPED_WORKER_ABORT
+def test_stateful_dataloader_with_two_workers_resumes_exactly(atlas, stateful_dataloader):
+    """One uninterrupted run with its states taken after batches 7, 22 and 23 (taking one
+    changes nothing), each resumed by a new loader: its batches are the run's rest."""
+    loader = stateful_dataloader(uneven_dataset(atlas), num_workers=2, **SPAWN)
+    full, states = [], {}
+    for batch in loader:
+        full.append(batch["cell_integer_id"].numpy().copy())
+        if len(full) in STOPS:
+            states[len(full)] = loader.state_dict()
+    del loader
+    np.testing.assert_array_equal(np.sort(np.concatenate(full)), np.arange(N))
+    assert len(full) == 23 and set(states) == set(STOPS)
+    for stop_after, state in states.items():
+        resumed = stateful_dataloader(uneven_dataset(atlas), num_workers=2, **SPAWN)
+        resumed.load_state_dict(state)
+        assert_batch_for_batch_equal(full[:stop_after], ids(resumed), full)
 
 
 @DROPPED_WORKER_ABORT

@@ -29,7 +29,7 @@ def test_the_benchmark_runs_every_contender_or_skips_it_with_a_reason(tmp_path):
     report = peers.main([
         "--cells", "400", "--genes", "200", "--plates", "4", "--nnz", "20", "--rounds", "1",
         "--warm-cells", "64", "--min-cells", "256", "--data", str(tmp_path / "data"),
-        "--out", str(out), "--only", ",".join(ONLY),
+        "--out", str(out), "--only", ",".join(ONLY), "--no-warm-up",
         "--variant", 'small=slafload-raw:{"tuning": {"queue_depth": 2}, "env": {"MALLOC_ARENA_MAX": "2"}}',
         "--variant", 'bad=slafload-raw:{"tuning": {"no_such_field": 1}}',
     ])  # fmt: skip
