@@ -33,6 +33,7 @@ from contract_reference import Atlas, delete_cells, expected_batch, write
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
+import slafload.pipeline.read
 from slafload import Loader, Mixture, Tuning, open_dataset
 from slafload.samplers import BlockShuffle, Streaming
 
@@ -151,6 +152,9 @@ def cases(draw) -> dict[str, Any]:
         "world_size": draw(st.sampled_from([1, 1, 2])),
         "stop_after": draw(st.integers(0, 6)),
     }
+    # A mixed fetch of a few long ranges (one per source) is read ahead whole on the read
+    # stage's thread; these atlases' ranges are short, so mixtures of odd seeds lower the bar.
+    case["mixed_reads_whole"] = n_sources > 1 and case["settings"]["seed"] % 2 == 1
     if case["reader"] == "s3":  # scattered reads: what range requests read
         case["sampler"] = "block"
     return case
@@ -269,7 +273,15 @@ def all_cells(atlas_of: dict[int, Atlas]) -> list[tuple[int, int]]:
 )
 @given(case=cases())
 def test_every_batch_equals_the_reference_on_every_path(case, s3_endpoint):
+    with pytest.MonkeyPatch.context() as patch:
+        if case["mixed_reads_whole"]:
+            patch.setattr(slafload.pipeline.read, "LONG_RANGE_CELLS", 1)
+        check_case(case, s3_endpoint)
+
+
+def check_case(case: dict[str, Any], s3_endpoint: str) -> None:
     event(f"tokenizer {case['tokenizer']}")  # --hypothesis-show-statistics counts them
+    event(f"mixed reads whole {case['mixed_reads_whole']}")
     with tempfile.TemporaryDirectory() as root:
         written, atlas_of = write_sources(Path(root), case)
         paths: list[Any] = list(written)
