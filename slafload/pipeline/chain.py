@@ -3,9 +3,9 @@
 :func:`build_chain` names every stage in the order data flows through it::
 
     parts -> Read -> Assemble -> Shuffle -> Transform -> Split
-          -> [token stage: TokenWorker -> Tokenize -> Batches -> LayOut] -> ToTorch
+          -> [token stage: TokenWorker -> Batches -> LayOut] -> ToTorch
 
-The token stage's four are built by :func:`slafload.pipeline.tokenize.token_stages`, from the
+The token stage's three are built by :func:`slafload.pipeline.tokenize.token_stages`, from the
 one :class:`~slafload.pipeline.tokenize.TokenStage` the spec holds.
 
 :class:`~slafload.Loader` (on its prefetch thread), the ``IterableDataset`` face and the

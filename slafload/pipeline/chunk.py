@@ -323,6 +323,7 @@ class Assemble(Stage[tuple[Part, Chunk]]):
     ):
         super().__init__(source)
         self.dataset, self.checked = dataset, checked
+        self.n_genes = dataset.n_genes  # a count of the pinned genes table: once, not per part
 
     def __next__(self) -> tuple[Part, Chunk]:
         ds, chunks = self.dataset, []
@@ -331,7 +332,7 @@ class Assemble(Stage[tuple[Part, Chunk]]):
             fetch, again = group.fetch, not group.cell_ids
             try:
                 chunks.append(assemble(fetch, group.batches, ds.cell_start, uri=ds.uri,
-                                       n_genes=ds.n_genes, checked=again))  # fmt: skip
+                                       n_genes=self.n_genes, checked=again))  # fmt: skip
             except InconsistentDataError as exc:
                 raise _naming_files(exc, ds, fetch) from exc
             if self.checked is not None and not again and len(fetch.ranges) <= CHECKED_RANGES:

@@ -4,10 +4,10 @@ A loader's token work is one :class:`TokenStage`, picked by :func:`make_token_st
 loader's config (on the host, :class:`HostTokens`; on the training device,
 :class:`~slafload.pipeline.device_tokenize.DeviceTokens`), and it is entered once on each side:
 
-- on the producer, :func:`token_stages` builds the chain's token work from it, four stages
+- on the producer, :func:`token_stages` builds the chain's token work from it, three stages
   named as the benchmark's stage profile names them: ``rank`` (:class:`TokenWorker`:
-  :meth:`TokenStage.rows` of each piece, one piece ahead on threads of its own), ``tokenize``
-  (:class:`Tokenize`: ``cell_integer_id`` and obs codes beside the rows), ``batch``
+  :meth:`TokenStage.rows` of each piece with ``cell_integer_id`` and obs codes beside them,
+  :func:`with_obs`, one piece ahead on threads of its own), ``batch``
   (:class:`~slafload.pipeline.batcher.Batches`) and ``layout`` (:class:`LayOut`:
   :meth:`TokenStage.finish` of each batch, in the loader's layout, :mod:`slafload.pipeline.layout`);
 - on the consumer, :meth:`TokenStage.consume` is the last step of every batch: a move to the
@@ -71,14 +71,14 @@ def token_stages(
     kernels: Kernels = NUMPY,
     observe: Observe = as_is,
 ) -> Stage[Tagged[dict[str, np.ndarray]]]:
-    """The producer's token work on ``pieces``: rank -> tokenize -> batch -> layout.
+    """The producer's token work on ``pieces``: rank (with cell ids and obs codes) -> batch -> layout.
 
     Args:
         pieces: Tagged pieces (:class:`~slafload.pipeline.chunk.Split`), each gathered
             (:class:`~slafload.pipeline.chunk.Cut`) before its work, on the token worker or,
             while that is busy, on the producer (:class:`TokenWorker`'s ``prepare``).
         tokens: The loader's token stage.
-        obs: Obs column name to ``int64`` code per cell id (see :class:`Tokenize`).
+        obs: Obs column name to ``int64`` code per cell id (see :func:`with_obs`).
         batch_size: Rows per batch.
         drop_last: Drop each epoch's short last batch.
         kernels: The chain's compiled kernels; the layout stage closes them.
@@ -88,14 +88,13 @@ def token_stages(
     def gather(piece: Chunk | Cut) -> Chunk:
         return gathered(piece, kernels)
 
-    def work(piece: Chunk | Cut) -> tuple[Arrays, np.ndarray]:
-        return tokens.rows(gather(piece))
+    def work(piece: Chunk | Cut) -> Arrays:
+        return with_obs(*tokens.rows(gather(piece)), obs)
 
     workers = getattr(tokens, "workers", 1)
     s: Stage[Any] = observe(
         "rank", TokenWorker(pieces, work, lookahead=1, prepare=gather, workers=workers)
     )
-    s = observe("tokenize", Tokenize(s, obs))
     s = observe("batch", Batches(s, batch_size, drop_last=drop_last))
     return observe("layout", LayOut(s, tokens.finish, kernels))
 
@@ -266,33 +265,20 @@ class TokenWorker(Stage[Tagged[Any]]):
         super().close()
 
 
-class Tokenize(Stage[Tagged[Arrays]]):
-    """Each piece's token rows with ``cell_integer_id`` and the obs codes beside them.
+def with_obs(rows: Arrays, cells: np.ndarray, obs: Mapping[str, Any]) -> Arrays:
+    """A piece's token ``rows`` with ``cell_integer_id`` and the obs codes of its ``cells``.
 
-    Args:
-        source: Each piece's token rows and output cell ids (:class:`TokenWorker`).
-        obs: Obs column name to ``int64`` code per cell id, added to every batch: an array,
-            or anything indexable by an ``int64`` array of cell ids (a mixture's lookups).
-            They are written after ``cell_integer_id``, so a mixture's ``cell_integer_id``
-            column replaces its global cell ids by ids within each source.
+    ``obs`` maps an obs column name to ``int64`` codes per cell id: an array, or anything
+    indexable by an ``int64`` array of cell ids (a mixture's lookups). The codes are written
+    after ``cell_integer_id``, so a mixture's ``cell_integer_id`` column replaces its global
+    cell ids by ids within each source. Runs on the token worker with the piece's token work:
+    each lookup is a pass over the piece's cells the producer does not make.
     """
-
-    def __init__(
-        self,
-        source: Iterator[Tagged[tuple[Arrays, np.ndarray]]],
-        obs: Mapping[str, np.ndarray] | None = None,
-    ):
-        super().__init__(source)
-        self.obs = dict(obs or {})
-
-    def __next__(self) -> Tagged[Arrays]:
-        piece = next(self.source)
-        rows, cells = piece.item
-        arrays = dict(rows)
-        arrays["cell_integer_id"] = cells
-        for name, codes in self.obs.items():
-            arrays[name] = codes[cells]
-        return piece.then(arrays)
+    arrays = dict(rows)
+    arrays["cell_integer_id"] = cells
+    for name, codes in obs.items():
+        arrays[name] = codes[cells]
+    return arrays
 
 
 class LayOut(Stage[Tagged[dict[str, np.ndarray]]]):

@@ -143,7 +143,7 @@ def test_a_failure_to_plan_a_later_fetch_comes_after_the_earlier_fetches(small_s
 
 
 STAGES = [
-    "read", "assemble", "shuffle", "transform", "split", "rank", "tokenize", "batch", "layout"
+    "read", "assemble", "shuffle", "transform", "split", "rank", "batch", "layout"
 ]  # fmt: skip
 
 

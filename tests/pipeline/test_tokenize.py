@@ -116,7 +116,7 @@ def test_one_entry_builds_the_token_work_and_batches_each_leg(small_slaf):
     )  # fmt: skip
     out = list(stages)
     stages.close()
-    assert built == ["rank", "tokenize", "batch", "layout"]
+    assert built == ["rank", "batch", "layout"]
     assert [len(b.item["cell_integer_id"]) for b in out] == [16] * 6 + [4]
     assert [b.done for b in out] == [16, 32, 48, 64, 80, 96, 100]
     assert all(b.leg is leg for b in out)
