@@ -2,10 +2,12 @@
 
 Each side is a checkout: ``A`` is a git ref (commit, branch, tag) extracted with ``git archive``
 into a temporary directory; ``B`` is another ref, or by default this working tree as it is
-(uncommitted changes included). Every round runs the benchmark once per side, each run in its
-own process with that side's ``slafload`` first on ``PYTHONPATH``, in the order A B, then B A
-the next round, so a machine that speeds up or slows down during the run favours neither. Both
-sides run from the current directory, so they share the benchmark's cached atlas.
+(uncommitted changes included). Each side first runs ``slafload warm-up`` (numba caches kernels
+beside the sources, so an extracted checkout starts cold; ``--no-warm-up`` skips it). Every
+round runs the benchmark once per side, each run in its own process with that side's
+``slafload`` first on ``PYTHONPATH``, in the order A B, then B A the next round, so a machine
+that speeds up or slows down during the run favours neither. Both sides run from the current
+directory, so they share the benchmark's cached atlas.
 
 The benchmark is a script of the checkout (``benchmarks/throughput.py`` by default) that takes
 ``--out FILE`` and writes JSON there; the arguments after ``--`` are passed to both sides. Every
@@ -80,14 +82,28 @@ def checkout(ref: str, repo: Path, into: Path) -> Path:
     return into
 
 
-def run_side(root: Path, script: str, args: list[str], out: Path) -> dict[str, Any]:
-    """One run of ``script`` from checkout ``root``, in its own process; its JSON report."""
-    env = {
+def _env(root: Path) -> dict[str, str]:
+    """The environment of a run from checkout ``root``: its ``slafload`` first on the path."""
+    return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
+
+
+def warm_up(root: Path) -> None:
+    """``slafload warm-up`` from checkout ``root``: numba caches its kernels beside the sources,
+    so a checkout extracted here starts cold, and its first runs would time numpy code while
+    the kernels compile (skewing a short A/B by up to 2x).
+    """
+    code = "import sys; from slafload.tools.cli import main; sys.exit(main(['warm-up']))"
+    # from ``root``: ``python -c`` puts the current directory before PYTHONPATH
+    subprocess.run([sys.executable, "-c", code], env=_env(root), cwd=root, check=True)
+
+
+def run_side(root: Path, script: str, args: list[str], out: Path) -> dict[str, Any]:
+    """One run of ``script`` from checkout ``root``, in its own process; its JSON report."""
     subprocess.run(
-        [sys.executable, str(root / script), *args, "--out", str(out)], env=env, check=True
+        [sys.executable, str(root / script), *args, "--out", str(out)], env=_env(root), check=True
     )
     return json.loads(out.read_text())
 
@@ -108,6 +124,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument("--metric", default="cells_per_s", help="key paths compared (substring)")
     p.add_argument("--out", default=str(OUT_DIR), help="directory for the runs' JSON and ab.json")
+    p.add_argument(
+        "--no-warm-up", action="store_true", help="skip each side's `slafload warm-up` first"
+    )
     args = p.parse_args(own)
 
     repo = Path(subprocess.run(
@@ -118,6 +137,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="slafload-ab-") as tmp:
         roots = {"A": checkout(args.a, repo, Path(tmp, "A"))}
         roots["B"] = repo if args.b is None else checkout(args.b, repo, Path(tmp, "B"))
+        if not args.no_warm_up:
+            for side in ("A", "B"):
+                print(f"slafload warm-up: {side}", file=sys.stderr)
+                warm_up(roots[side])
         runs: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
         for r, side in order(args.rounds):
             print(f"round {r + 1}/{args.rounds}: {side}", file=sys.stderr)

@@ -37,8 +37,8 @@ def test_the_working_tree_is_compared_with_a_commit_in_interleaved_rounds(tmp_pa
     monkeypatch.chdir(repo)
 
     out = tmp_path / "ab"
-    report = ab.main(["HEAD", "--rounds", "2", "--script", "bench.py", "--out", str(out), "--",
-                      "--scale", "2"])  # fmt: skip
+    report = ab.main(["HEAD", "--rounds", "2", "--script", "bench.py", "--out", str(out),
+                      "--no-warm-up", "--", "--scale", "2"])  # fmt: skip
 
     assert report["ratios"] == {"results.x.cells_per_s": {"A": 200.0, "B": 300.0, "B_over_A": 1.5}}
     assert json.loads((out / "ab.json").read_text())["ratios"] == report["ratios"]
@@ -48,3 +48,34 @@ def test_the_working_tree_is_compared_with_a_commit_in_interleaved_rounds(tmp_pa
 
 def test_rounds_alternate_which_side_runs_first():
     assert ab.order(3) == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
+
+
+STAND_IN_CLI = """\
+import os, pathlib
+def main(argv):
+    with open(os.environ["AB_WARMED"], "a") as f:
+        f.write(f"{argv} {'B' if '#' + ' tree B' in pathlib.Path(__file__).read_text() else 'A'}\\n")
+    return 0
+"""
+
+
+def test_each_side_runs_its_own_warm_up_before_the_rounds(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "slafload" / "tools").mkdir(parents=True)
+    (repo / "bench.py").write_text(STAND_IN)
+    (repo / "value.txt").write_text("100")
+    (repo / "slafload" / "__init__.py").write_text("")
+    (repo / "slafload" / "tools" / "__init__.py").write_text("")
+    (repo / "slafload" / "tools" / "cli.py").write_text(STAND_IN_CLI)
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline")
+    with open(repo / "slafload" / "tools" / "cli.py", "a") as f:
+        f.write("# tree B\n")  # uncommitted: the working tree's warm-up tells itself apart
+    monkeypatch.chdir(repo)
+    warmed = tmp_path / "warmed.txt"
+    monkeypatch.setenv("AB_WARMED", str(warmed))
+
+    ab.main(["HEAD", "--rounds", "1", "--script", "bench.py", "--out", str(tmp_path / "ab")])
+
+    assert warmed.read_text().splitlines() == ["['warm-up'] A", "['warm-up'] B"]
