@@ -2,8 +2,9 @@
 
 Each side is a checkout: ``A`` is a git ref (commit, branch, tag) extracted with ``git archive``
 into a temporary directory; ``B`` is another ref, or by default this working tree as it is
-(uncommitted changes included). Each side first runs ``slafload warm-up`` (numba caches kernels
-beside the sources, so an extracted checkout starts cold; ``--no-warm-up`` skips it). Every
+(uncommitted changes included). Each side first fills numba's cache (it caches kernels beside
+the sources, so an extracted checkout starts cold): ``slafload warm-up``, or one untimed run of
+the benchmark in a tree without that command (``--no-warm-up`` skips it). Every
 round runs the benchmark once per side, each run in its own process with that side's
 ``slafload`` first on ``PYTHONPATH``, in the order A B, then B A the next round, so a machine
 that speeds up or slows down during the run favours neither. Both sides run from the current
@@ -90,14 +91,19 @@ def _env(root: Path) -> dict[str, str]:
     }
 
 
-def warm_up(root: Path) -> None:
-    """``slafload warm-up`` from checkout ``root``: numba caches its kernels beside the sources,
-    so a checkout extracted here starts cold, and its first runs would time numpy code while
-    the kernels compile (skewing a short A/B by up to 2x).
+def warm_up(root: Path, script: str, args: list[str], out: Path) -> str:
+    """Fill numba's cache for checkout ``root``, which caches kernels beside the sources, so a
+    checkout extracted here starts cold and its first runs would time numpy code while the
+    kernels compile (skewing a short A/B by up to 2x): ``slafload warm-up`` where the tree has
+    that command, else one untimed run of the benchmark (written to ``out``). How it warmed.
     """
     code = "import sys; from slafload.tools.cli import main; sys.exit(main(['warm-up']))"
     # from ``root``: ``python -c`` puts the current directory before PYTHONPATH
-    subprocess.run([sys.executable, "-c", code], env=_env(root), cwd=root, check=True)
+    done = subprocess.run([sys.executable, "-c", code], env=_env(root), cwd=root)
+    if done.returncode == 0:
+        return "slafload warm-up"
+    run_side(root, script, args, out)
+    return "an untimed run (no slafload warm-up in this tree)"
 
 
 def run_side(root: Path, script: str, args: list[str], out: Path) -> dict[str, Any]:
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--metric", default="cells_per_s", help="key paths compared (substring)")
     p.add_argument("--out", default=str(OUT_DIR), help="directory for the runs' JSON and ab.json")
     p.add_argument(
-        "--no-warm-up", action="store_true", help="skip each side's `slafload warm-up` first"
+        "--no-warm-up", action="store_true", help="skip filling each side's numba cache first"
     )
     args = p.parse_args(own)
 
@@ -137,10 +143,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="slafload-ab-") as tmp:
         roots = {"A": checkout(args.a, repo, Path(tmp, "A"))}
         roots["B"] = repo if args.b is None else checkout(args.b, repo, Path(tmp, "B"))
+        warmed = {}
         if not args.no_warm_up:
             for side in ("A", "B"):
-                print(f"slafload warm-up: {side}", file=sys.stderr)
-                warm_up(roots[side])
+                print(f"warm-up: {side}", file=sys.stderr)
+                warmed[side] = warm_up(roots[side], args.script, passed, out / f"{side}_warm.json")
         runs: dict[str, list[dict[str, Any]]] = {"A": [], "B": []}
         for r, side in order(args.rounds):
             print(f"round {r + 1}/{args.rounds}: {side}", file=sys.stderr)
@@ -152,6 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "script": args.script,
         "arguments": passed,
         "rounds": args.rounds,
+        "warm_up": warmed,
         "metric": args.metric,
         "ratios": ratios(runs, args.metric),
     }

@@ -53,13 +53,15 @@ def test_rounds_alternate_which_side_runs_first():
 STAND_IN_CLI = """\
 import os, pathlib
 def main(argv):
+    if "#" + " tree B" not in pathlib.Path(__file__).read_text():
+        return 2  # as argparse does for a command a tree does not have
     with open(os.environ["AB_WARMED"], "a") as f:
-        f.write(f"{argv} {'B' if '#' + ' tree B' in pathlib.Path(__file__).read_text() else 'A'}\\n")
+        f.write(f"{argv}\\n")
     return 0
 """
 
 
-def test_each_side_runs_its_own_warm_up_before_the_rounds(tmp_path, monkeypatch):
+def test_each_side_fills_its_own_cache_before_the_rounds(tmp_path, monkeypatch):
     repo = tmp_path / "repo"
     (repo / "slafload" / "tools").mkdir(parents=True)
     (repo / "bench.py").write_text(STAND_IN)
@@ -71,11 +73,17 @@ def test_each_side_runs_its_own_warm_up_before_the_rounds(tmp_path, monkeypatch)
     git(repo, "add", ".")
     git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline")
     with open(repo / "slafload" / "tools" / "cli.py", "a") as f:
-        f.write("# tree B\n")  # uncommitted: the working tree's warm-up tells itself apart
+        f.write("# tree B\n")  # uncommitted: only the working tree has a warm-up command
     monkeypatch.chdir(repo)
     warmed = tmp_path / "warmed.txt"
     monkeypatch.setenv("AB_WARMED", str(warmed))
+    out = tmp_path / "ab"
 
-    ab.main(["HEAD", "--rounds", "1", "--script", "bench.py", "--out", str(tmp_path / "ab")])
+    report = ab.main(["HEAD", "--rounds", "1", "--script", "bench.py", "--out", str(out)])
 
-    assert warmed.read_text().splitlines() == ["['warm-up'] A", "['warm-up'] B"]
+    assert warmed.read_text().splitlines() == ["['warm-up']"]  # B's own command, run once
+    assert report["warm_up"] == {
+        "A": "an untimed run (no slafload warm-up in this tree)",
+        "B": "slafload warm-up",
+    }
+    assert (out / "A_warm.json").exists() and not (out / "B_warm.json").exists()
