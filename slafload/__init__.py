@@ -14,8 +14,9 @@ modules, from ``Loader(...)`` to the training loop)::
     data/           open and validate a dataset (dataset), its cell offsets, mixtures
     samplers/       which cells in which order: a plan of fetches per epoch
     pipeline/       the producer's stages, built in order by pipeline.chain:
-                    partition -> read (reader) -> chunk -> ranking -> tokenize
-                    -> batcher (layout) -> prefetcher; pipeline.epochs plans runs and positions
+                    partition -> read (reader) -> chunk -> tokenize (the token stage:
+                    ranking, batcher, layout) -> batcher (to torch) -> prefetcher;
+                    pipeline.epochs plans runs and positions
     transforms/     chunk transforms, before ranking (vocabularies, normalisation)
     tokenizers/     the built-in tokenizers and the plugin protocol, after ranking
     presets/        published models' own tokens (Geneformer, scGPT)

@@ -4,7 +4,7 @@ A :class:`~slafload.data.mixture.Mixture` numbers its sources' cells one after t
 ``k`` holds global cell ids ``[offsets[k], offsets[k + 1])``. The pieces here translate between
 global ids and each source's own: :class:`MixedReader` reads a fetch from its sources,
 :class:`GlobalOffsets` gives the chunk stage CSR offsets by global id, :class:`CellColumn`
-gives the tokenize stage per-cell columns (source codes, ids within a source, obs codes), and
+gives the token worker per-cell columns (source codes, ids within a source, obs codes), and
 :class:`PerSource` runs each chunk through its own source's transforms and
 :class:`PerSourceTokens` each ranked piece through its own source's tokenizer (a model
 preset built for each source).
@@ -58,8 +58,8 @@ class CellColumn:
     """``int64`` values of global cell ids, looked up in each cell's own source.
 
     ``parts[k]`` is an array indexed by source ``k``'s cell ids, a constant, or ``None`` (the
-    cell's id within its source). Indexing with global cell ids (as the tokenize stage indexes
-    obs codes) returns the values.
+    cell's id within its source). Indexing with global cell ids (as the token worker's
+    :func:`~slafload.pipeline.tokenize.with_obs` indexes obs codes) returns the values.
     """
 
     def __init__(self, offsets: np.ndarray, parts: Sequence[np.ndarray | int | None]):

@@ -1,4 +1,4 @@
-"""Tokenizers: turn a ranked chunk into row-aligned token arrays (the tokenize stage's add-ons).
+"""Tokenizers: turn a ranked chunk into row-aligned token arrays (the token stage's add-ons).
 
 Built-ins (:mod:`slafload.tokenizers.builtin`): ``geneformer``, ``scgpt``, ``raw``, with
 slafdb 0.5.2's token conventions, and ``sparse`` (:mod:`slafload.tokenizers.sparse`): each
