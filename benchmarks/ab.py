@@ -16,7 +16,7 @@ number in the JSON whose key path contains ``--metric`` (default ``cells_per_s``
 ``fraction_of_raw_scan``) is reported as B's median over the rounds divided by A's::
 
     python benchmarks/ab.py main --rounds 3 -- --no-peers --epochs 0.5
-    python benchmarks/ab.py v0.1.0 HEAD --script benchmarks/scale.py -- --atlas /tmp/a.slaf
+    python benchmarks/ab.py main HEAD --script benchmarks/scale.py -- --atlas /tmp/a.slaf
 
 Writes every run's JSON and the ratios (``ab.json``) under ``--out`` (default
 ``./slafload-bench/ab/``) and prints the ratios.
