@@ -1,4 +1,5 @@
-"""The ``slafload`` command line: convert, info, optimize, synth, tune, bench.
+"""The ``slafload`` command line: convert, info, optimize, synth, tune, verify, warm-up, cache,
+bench.
 
 User mistakes (a missing file, a path that is not a SLAF dataset, bad arguments) print one line
 to stderr and exit with status 2, without a traceback. Anything else is a bug and propagates.
