@@ -2,7 +2,7 @@
 
 A padded ``[cells, width]`` output is mostly padding (a geneformer row is 2,048 ``int64`` for
 ~800 real tokens). Allocated fresh for every piece, the kernel hands over and zeroes every page
-of it (the largest single cost of the producer in ``perf``, see docs/benchmarks.md). A
+of it (the largest single cost of the producer in ``perf``). A
 :class:`RowBuffers` keeps a few such arrays and gives one back out only when nothing outside
 it refers to it any more, i.e. every batch viewing it (numpy views, and the tensors that
 ``torch.from_numpy`` made of them) has been released. It remembers how far each row was
@@ -59,7 +59,7 @@ def fresh(shape: int | tuple[int, ...], dtype: npt.DTypeLike, fill=None) -> np.n
     Debian's default), each first touch of such an array may stall in memory compaction once
     the page cache holds most of RAM, as it does while streaming an atlas: a fresh padded
     ``[2048, 2050]`` ``int64`` array cost 46-75 ms that way against 6 ms through torch's CPU
-    allocator, which does not advise huge pages (measured in docs/benchmarks.md). Arrays that
+    allocator, which does not advise huge pages (measured). Arrays that
     large are therefore allocated by torch and returned as numpy views of its storage (they
     become torch tensors in the end anyway); smaller ones by numpy.
     """
@@ -261,7 +261,7 @@ def copy_aligned_runs(
 
     A loop of slice copies (memcpy, one numpy call per run): for runs of hundreds of tokens it
     costs a fifteenth of a scatter through expanded flat indices, which must first build and
-    then read an index per token (measured in docs/benchmarks.md). Aligned streams (scGPT's
+    then read an index per token (measured). Aligned streams (scGPT's
     gene ids and value bins, raw's gene ids and values) share their run offsets, so the loop's
     per-run Python cost is paid once, not once per stream. Gathering whole runs into one
     contiguous array is :func:`gather_runs`' job (native, GIL released). With compiled

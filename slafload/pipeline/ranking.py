@@ -8,7 +8,7 @@ broken by gene id ascending. When a gene id and its value pack into one 32- or 6
 key (integer counts, ``float32`` values), each cell's keys are sorted: by a compiled radix
 sort of the whole piece with the GIL released where numba is installed, else by numpy's SIMD
 sort one cell at a time (:func:`rank_by_keys`: either about a third of the CPU time of the
-Polars window, measured in docs/benchmarks.md). Otherwise the whole chunk is ranked in one Polars window expression
+Polars window, measured). Otherwise the whole chunk is ranked in one Polars window expression
 (``struct(gene, value).sort_by(value).over(cell)``) running in Rust with the GIL released.
 The result keeps the chunk's CSR layout, so a cell's ranked genes are contiguous and the
 ``j``-th of them has rank ``j``. A tokenizer that reads no rank (``ranks_genes = False``: the
