@@ -80,7 +80,7 @@ def cell_offsets(uri: str, tables: Mapping[str, lance.LanceDataset]) -> CellOffs
     :data:`_BATCH_CELLS`, so no ``int64`` array of every cell is held: a 100M-cell atlas opens
     in ~0.23 GB (0.4 GB in the 4-byte form, up to ~0.6 GB while it is widened) plus one batch
     (a table without ``cell_start_index`` is scanned instead, counting every cell's rows in
-    one ``int64`` array, as before).
+    one ``int64`` array).
     """
     cells = tables["cells"]
     n_rows = tables["expression"].count_rows()

@@ -4,7 +4,7 @@
 ``batch_size`` cells, only the shape of its token streams changes:
 
 ``"padded"`` (default)
-    Today's fixed ``[batch, width]`` arrays, slafdb-compatible, exactly as the tokenizer made
+    Fixed ``[batch, width]`` arrays, slafdb-compatible, exactly as the tokenizer made
     them.
 ``"longest"``
     The same rows padded only to the longest cell of the batch (Hugging Face's collator
