@@ -1,4 +1,4 @@
-"""Stage 9: the loader, the front end a training loop iterates.
+"""The loader, the front end a training loop iterates.
 
 ``Loader`` opens the dataset, resolves the tokenizer, sampler, rank and device, and runs the
 rank's :class:`~slafload.pipeline.epochs.Run` (which builds the chain of stages of each epoch,

@@ -1,4 +1,4 @@
-"""Stage 1: open a SLAF dataset, validate it, and pin its Lance versions.
+"""Open a SLAF dataset, validate it, and pin its Lance versions.
 
 A SLAF dataset is a directory (or object-store prefix) holding ``config.json`` and three Lance
 tables: ``expression`` (one row per non-zero, sorted by cell then gene), ``cells`` (one row per

@@ -1,4 +1,4 @@
-"""Stage 7: cut tokenized pieces into training batches of exactly ``batch_size`` rows, and
+"""Cut tokenized pieces into training batches of exactly ``batch_size`` rows, and
 hand them over as torch tensors.
 
 Pieces rarely hold a multiple of ``batch_size`` cells, so the rows left over at the end of a

@@ -1,4 +1,4 @@
-"""Stage 4: assemble a part's record batches into a chunk of whole cells, shuffle it, apply
+"""Assemble a part's record batches into a chunk of whole cells, shuffle it, apply
 the chunk transforms and split it into compute pieces.
 
 A :class:`~slafload.types.Chunk` holds every expression row of its cells as flat numpy arrays

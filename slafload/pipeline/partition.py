@@ -1,4 +1,4 @@
-"""Stage 2: partition an epoch's plan among distributed ranks, with no communication.
+"""Partition an epoch's plan among distributed ranks, with no communication.
 
 Every fetch of the epoch plan is cut into ``world_size`` contiguous *parts* of balanced sizes
 (the +1 remainders rotate across ranks from fetch to fetch); rank ``r``'s share is its part of

@@ -1,4 +1,4 @@
-"""Stage 8: one owned background thread filling a bounded queue.
+"""One owned background thread filling a bounded queue.
 
 The producer runs a generator on its own thread and puts every item into a bounded
 ``queue.Queue``: a full queue blocks it (nothing is ever dropped). Every blocking call uses a

@@ -1,4 +1,4 @@
-"""Stage 3: read each part's fetch whole, with retries and read-ahead.
+"""Read each part's fetch whole, with retries and read-ahead.
 
 :class:`Read` is the stage: it starts the reads of the next ``read_ahead`` parts before it
 hands on the current one, so Lance decodes them on its own threads while the producer

@@ -1,4 +1,4 @@
-"""Stage 3a: read the expression rows of a fetch from Lance as Arrow record batches.
+"""Read the expression rows of a fetch from Lance as Arrow record batches.
 
 The read *stage* (retries, read-ahead) is :mod:`slafload.pipeline.read`; this module is the Lance I/O
 it calls.

@@ -1,4 +1,4 @@
-"""Stage 2: samplers decide which cells are read, in which order, for each epoch."""
+"""Samplers decide which cells are read, in which order, for each epoch."""
 
 from slafload.samplers.base import Fetch, Plan, Sampler, bind_batch_size, derive_seed
 from slafload.samplers.block import BlockShuffle

@@ -1,4 +1,4 @@
-"""Stage 6: turn a ranked chunk into fixed-shape token arrays, in one vectorized pass.
+"""Turn a ranked chunk into fixed-shape token arrays, in one vectorized pass.
 
 A tokenizer is any object with a ``name`` and a ``__call__(ranked) -> dict[str, ndarray]``
 whose arrays all have one row per cell of the chunk, in output order. Built-ins:

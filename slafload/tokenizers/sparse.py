@@ -13,12 +13,15 @@ columns beside them; :func:`sparse_csr` turns it into a ``torch.sparse_csr_tenso
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from slafload.errors import LayoutError
 from slafload.types import RankedChunk
+
+if TYPE_CHECKING:  # torch is imported where a batch is made into a tensor, not with slafload
+    import torch
 
 
 class Sparse:
@@ -83,6 +86,8 @@ def sparse_csr(
             f"sparse_csr needs a batch of tokenizer='sparse' (cu_seqlens, gene_ids, values); "
             f"this one lacks {sorted(missing)} and holds {sorted(batch)}"
         )
+    import torch
+
     columns = batch["gene_ids"]
     rows = batch["cu_seqlens"].to(columns.dtype)
     shape = (len(rows) - 1, n_genes)

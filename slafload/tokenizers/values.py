@@ -1,9 +1,9 @@
 """Opt-in expression values alongside gene tokens, for models that take both.
 
 :class:`WithValues` wraps a tokenizer whose ``input_ids`` put a cell's rank-``r`` gene at
-column ``r + 1`` after ``[CLS]`` (``geneformer``, ``scgpt``, ``scgpt_fixed``) and adds a
-``float32`` array of the same shape holding each gene token's expression value (``0`` at
-CLS, SEP and padding)::
+column ``r + 1`` after ``[CLS]`` (``geneformer``, ``scgpt``,
+:class:`~slafload.tokenizers.binning.ScGPTFixedBins`) and adds a ``float32`` array of the
+same shape holding each gene token's expression value (``0`` at CLS, SEP and padding)::
 
     Loader(ds, tokenizer=WithValues(Geneformer(max_genes=2048)))        # adds "values"
     Loader(ds, tokenizer=WithValues(ScGPT(), key="expression"))         # scgpt has "values"

@@ -46,6 +46,14 @@ def h5ads(tmp_path_factory):
     return counts, paths
 
 
+def test_importing_slafload_and_its_command_line_leaves_torch_unimported():
+    # torch takes seconds to import: `slafload --help`, conversion and inspection skip it
+    code = "import sys, slafload, slafload.tools.cli; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
+
+
 def test_help_describes_every_command(capsys):
     run = slafload_cli("--help")
     assert run.returncode == 0
