@@ -1,8 +1,8 @@
 """Masked-gene modelling on cell sentences streamed by slafload.
 
 A small ``torch.nn.TransformerEncoder`` learns to recover masked gene tokens of Geneformer
-rank-value sentences from a synthetic atlas (written on first use). On a CPU the default
-run takes one to two minutes; ``--tiny`` takes seconds. With a GPU, batches are pinned by the
+rank-value sentences from a synthetic atlas (written on first use). The default run takes
+about 15 s on 2 CPU cores, atlas included; ``--tiny`` a few seconds. With a GPU, batches are pinned by the
 loader's producer thread and copied with ``non_blocking=True``.
 
     python examples/train_mlm.py                   # train, checkpoint to data/mlm_checkpoint.pt

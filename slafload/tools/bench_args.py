@@ -114,7 +114,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
         "--full",
         action="store_true",
         help="the full comparison: 50,000 cells, 2.5 epochs, 3 runs, the presets, every "
-        "layout, numpy kernels, the stage profile and the layout report (tens of minutes)",
+        "layout, numpy kernels, the stage profile and the layout report (about ten minutes on 2 cores)",
     )
     p.add_argument("--data", default=str(OUT_DIR / "data"), help="where the atlas is cached")
     p.add_argument(
