@@ -139,22 +139,13 @@ def shuffle(chunk: Chunk, seed: int | None) -> Chunk:
     return dataclasses.replace(chunk, order=shuffle_order(chunk.n_cells, seed))
 
 
-def split(
-    chunk: Chunk, start: int, stop: int, size: int, kernels: Kernels = NUMPY
-) -> Iterator[Chunk]:
-    """Output rows ``[start, stop)`` of ``chunk`` as pieces of at most ``size`` cells.
-
-    Each piece holds its cells in output order (its own ``order`` is the identity), so the
-    concatenated outputs of the pieces equal rows ``[start, stop)`` of the whole chunk; their
-    rows are gathered with ``kernels`` where compiled (:func:`gather_runs`).
-    """
-    for cut in cuts(chunk, start, stop, size):
-        yield cut.gather(kernels)
-
-
 def cuts(chunk: Chunk, start: int, stop: int, size: int) -> Iterator[Cut]:
     """Output rows ``[start, stop)`` of ``chunk`` as :class:`Cut` pieces of at most ``size``
-    cells, not gathered yet (:func:`split` gathers them at once).
+    cells, not gathered yet.
+
+    Gathered (:meth:`Cut.gather`), each piece holds its cells in output order (its own
+    ``order`` is the identity), so the concatenated outputs of the pieces equal rows
+    ``[start, stop)`` of the whole chunk.
     """
     if start == 0 and stop >= chunk.n_cells and chunk.n_cells <= size:
         yield Cut(chunk, None)

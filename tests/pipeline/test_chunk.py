@@ -155,14 +155,14 @@ def test_rows_contradicting_the_layout_fail_loudly(tmp_path, mutate, message):
 
 
 @pytest.mark.parametrize(("start", "stop", "size"), [(0, 60, 100), (0, 60, 7), (5, 43, 8)])
-def test_split_cuts_a_shuffled_chunk_into_ordered_pieces(tmp_path, start, stop, size):
-    from slafload.pipeline.chunk import split
+def test_cuts_of_a_shuffled_chunk_gather_into_ordered_pieces(tmp_path, start, stop, size):
+    from slafload.pipeline.chunk import cuts
 
     dense = random_counts(60, 9, seed=4, empty_every=6)
     ds = open_dataset(write_dense(tmp_path / "s.slaf", dense))
     fetch = Fetch(0, np.array([[0, 60]]))
     chunk = shuffle(assemble(fetch, Reader(ds).read(fetch), ds.cell_start), 3)
-    pieces = list(split(chunk, start, stop, size))
+    pieces = [cut.gather() for cut in cuts(chunk, start, stop, size)]
     assert all(p.n_cells <= size for p in pieces)
     cells = np.concatenate([p.cell_ids[p.order] for p in pieces])
     np.testing.assert_array_equal(cells, chunk.cell_ids[chunk.order[start:stop]])

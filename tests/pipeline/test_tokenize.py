@@ -126,7 +126,7 @@ def test_one_entry_builds_the_token_work_and_batches_each_leg(small_slaf):
 
 
 def test_the_token_worker_gathers_cut_pieces_as_split_would(small_slaf):
-    from slafload.pipeline.chunk import cuts, shuffle, split
+    from slafload.pipeline.chunk import cuts, shuffle
 
     ds = open_dataset(small_slaf)
     config = LoaderConfig(batch_size=16, max_genes=8)
@@ -144,7 +144,7 @@ def test_the_token_worker_gathers_cut_pieces_as_split_would(small_slaf):
 
     cut = list(cuts(chunk, 3, 90, 32))
     assert all(c.chunk is chunk for c in cut)  # handed on ungathered
-    for got, want in zip(batches(cut), batches(split(chunk, 3, 90, 32)), strict=True):
+    for got, want in zip(batches(cut), batches([c.gather(kernels) for c in cut]), strict=True):
         assert got.keys() == want.keys()
         for key in got:
             np.testing.assert_array_equal(got[key], want[key])
