@@ -27,6 +27,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
+def worker_context():
+    """The ``multiprocessing_context`` for DataLoader workers in tests: a forkserver that has
+    imported torch once. Its workers unpickle the dataset and reopen Lance as spawned ones do
+    (the documented ``"spawn"``, which tests/test_resume.py and tests/pipeline/test_layout.py
+    use), without importing torch again in every worker (~2 s of CPU each).
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
+    return context
+
+
 def load_script(relative: str) -> ModuleType:
     """A script of the repository (``benchmarks/scale.py``, ``examples/train_mlm.py``)
     imported as a module, so tests can call its functions.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import append_cell, random_counts, write_dense
+from conftest import append_cell, random_counts, worker_context, write_dense
 
 from slafload import Loader, StateError
 from slafload.samplers import BlockShuffle, ChunkShuffle
@@ -12,7 +12,7 @@ from slafload.samplers import BlockShuffle, ChunkShuffle
 # torchdata 0.11 calls torch's deprecated ``set_vital``.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 N = 230
-SPAWN = {"batch_size": None, "multiprocessing_context": "spawn"}
+SPAWN = {"batch_size": None, "multiprocessing_context": worker_context()}
 # About 1 run in 10-20, a worker dropped mid-epoch aborts as its interpreter exits: its queue
 # feeder thread (not joined by PyTorch) is pickling a batch, with the GIL released inside
 # THPStorage_shareFd, and CPython < 3.14 ends it with pthread_exit, whose unwind through C++
