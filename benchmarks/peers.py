@@ -18,11 +18,12 @@ imports torch first, as a training script does, and reports
 * ``plate_entropy``: the mean Shannon entropy (bits) of the plate label in each minibatch of
   the window, beside ``random_entropy``, the same over batches of a uniform permutation.
 
-Contenders, all batch 64: slafload ``BlockShuffle(16, 256)`` with the ``raw`` and
-``geneformer`` tokenizers; slafload's default sampler (``ChunkShuffle``) with ``raw`` on a second
-store that ``convert(shuffle_seed=0)`` wrote in a shuffled order (annbatch's equivalent: its
-writer shuffles its collection; plates are looked up through ``original_index``); the
-``sparse`` tokenizer (CSR batches, no ranking or padding, as annbatch's) on each of the two; scDataset
+Contenders, all batch 64: slafload ``BlockShuffle(16, 256)`` on the store in input order, and
+``BlockShuffle(256, 32)`` on a second store that ``convert(shuffle_seed=0)`` wrote in a shuffled
+order (annbatch's recipe: its writer shuffles its collection once, its loader draws random
+chunks of it anew every epoch; plates are looked up through ``original_index``), each with the
+``raw``, ``geneformer`` and ``sparse`` tokenizers (``sparse``: CSR batches, no ranking or
+padding, as annbatch's are); scDataset
 ``BlockShuffling(16)`` with ``fetch_factor=256`` on the backed ``.h5ad``, no workers, batches of CSR torch tensors; slafdb's ``SLAFDataLoader`` with its
 default mixture-of-scanners shuffling and its geneformer tokens; annbatch's ``Loader`` on its
 shuffled collection. A peer that is not installed, or does not import, is listed under
@@ -58,18 +59,21 @@ from typing import Any
 
 BATCH_SIZE = 64
 BLOCK, FETCH_FACTOR = 16, 256
+SHUFFLED_BLOCK, SHUFFLED_FETCH_FACTOR = 256, 32  # 2,048-cell fetches of 8 random blocks
 SLAFLOAD = (
-    "slafload-raw", "slafload-geneformer", "slafload-shuffled", "slafload-sparse",
-    "slafload-shuffled-sparse",
+    "slafload-raw", "slafload-geneformer", "slafload-sparse",
+    "slafload-shuffled", "slafload-shuffled-geneformer", "slafload-shuffled-sparse",
 )  # fmt: skip
-# Each slafload contender's tokenizer and store: BlockShuffle on the store in input order, or
-# the default sampler (ChunkShuffle) on a store that `convert(shuffle_seed=0)` pre-shuffled,
-# as annbatch's writer shuffles its collection.
+# Each slafload contender's tokenizer and store: BlockShuffle(16, 256) on the store in input
+# order, or BlockShuffle(256, 32) on a store that `convert(shuffle_seed=0)` pre-shuffled, as
+# annbatch's writer shuffles its collection (any block of that store is a random sample of
+# cells; which blocks meet in a batch changes every epoch, as annbatch's chunks do).
 SLAFLOAD_RUNS = {
     "slafload-raw": ("raw", "slafload"),
     "slafload-geneformer": ("geneformer", "slafload"),
-    "slafload-shuffled": ("raw", "slafload-shuffled"),
     "slafload-sparse": ("sparse", "slafload"),
+    "slafload-shuffled": ("raw", "slafload-shuffled"),
+    "slafload-shuffled-geneformer": ("geneformer", "slafload-shuffled"),
     "slafload-shuffled-sparse": ("sparse", "slafload-shuffled"),
 }
 CONTENDERS = (*SLAFLOAD, "scdataset", "slafdb", "annbatch")
@@ -77,9 +81,13 @@ YIELDS_LABELS = {"annbatch"}  # batches come with plate labels, not the h5ad's r
 LABELS = {
     "slafload-raw": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), raw",
     "slafload-geneformer": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), geneformer",
-    "slafload-shuffled": "slafload ChunkShuffle, store pre-shuffled by convert, raw",
     "slafload-sparse": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), sparse (CSR)",
-    "slafload-shuffled-sparse": "slafload ChunkShuffle, store pre-shuffled, sparse (CSR)",
+    "slafload-shuffled": f"slafload BlockShuffle({SHUFFLED_BLOCK}, {SHUFFLED_FETCH_FACTOR}), "
+    "store pre-shuffled by convert, raw",
+    "slafload-shuffled-geneformer": f"slafload BlockShuffle({SHUFFLED_BLOCK}, "
+    f"{SHUFFLED_FETCH_FACTOR}), store pre-shuffled, geneformer",
+    "slafload-shuffled-sparse": f"slafload BlockShuffle({SHUFFLED_BLOCK}, "
+    f"{SHUFFLED_FETCH_FACTOR}), store pre-shuffled, sparse (CSR)",
     "scdataset": f"scDataset BlockShuffling({BLOCK}), fetch_factor {FETCH_FACTOR}, backed h5ad",
     "slafdb": "slafdb SLAFDataLoader, mixture of scanners, geneformer",
     "annbatch": "annbatch Loader, shuffled zarr collection",
@@ -119,10 +127,10 @@ def _slafload(spec: dict[str, Any], name: str) -> Iterator[Any]:
 
     ds = slafload.open_dataset(spec["path"])
     tokenizer, store = SLAFLOAD_RUNS[name]
-    sampler = (
-        BlockShuffle(block_size=BLOCK, fetch_factor=FETCH_FACTOR, batch_size=BATCH_SIZE)
-        if store == "slafload" else None  # the default: ChunkShuffle
-    )  # fmt: skip
+    block, fetch_factor = (
+        (BLOCK, FETCH_FACTOR) if store == "slafload" else (SHUFFLED_BLOCK, SHUFFLED_FETCH_FACTOR)
+    )
+    sampler = BlockShuffle(block_size=block, fetch_factor=fetch_factor, batch_size=BATCH_SIZE)
     tuning = slafload.Tuning(**spec.get("tuning", {}))  # the defaults unless a run sets some
     # sparse keeps every gene (no token budget) and is packed (CSR) by default
     budget = token_budget(tokenizer, spec["max_genes"])
@@ -717,12 +725,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
     names = [n for n, r in report["results"].items() if "cells_per_s" in r]
     colors = ["#3b7dd8" if n.startswith("slafload") else "#999999" for n in names]
     labels = [report["labels"][n] for n in names]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 1.4 + 0.4 * len(names)), sharey=True)
-    for ax, key, title in (
-        (axes[0], "cells_per_s", "cells / s, median (higher is better)"),
-        (axes[1], "peak_above_torch_mb", "peak RSS above `import torch`, MB (lower is better)"),
+    fig, axes = plt.subplots(1, 2, figsize=(13, 1.4 + 0.4 * len(names)), sharey=True)
+    for ax, key, title, scale in (
+        (axes[0], "cells_per_s", "thousand cells / s, median\n(higher is better)", 1e-3),
+        (axes[1], "peak_above_torch_mb", "peak RSS above `import torch`, MB\n(lower is better)", 1),
     ):
-        ax.barh(labels, [report["results"][n][key] for n in names], color=colors)
+        ax.barh(labels, [report["results"][n][key] * scale for n in names], color=colors)
         ax.set_xlabel(title)
     axes[0].invert_yaxis()
     fig.tight_layout()
