@@ -18,12 +18,14 @@ imports torch first, as a training script does, and reports
 * ``plate_entropy``: the mean Shannon entropy (bits) of the plate label in each minibatch of
   the window, beside ``random_entropy``, the same over batches of a uniform permutation.
 
-Contenders, all batch 64: slafload ``BlockShuffle(16, 256)`` on the store in input order, and
-``BlockShuffle(256, 32)`` on a second store that ``convert(shuffle_seed=0)`` wrote in a shuffled
-order (annbatch's recipe: its writer shuffles its collection once, its loader draws random
-chunks of it anew every epoch; plates are looked up through ``original_index``), each with the
-``raw``, ``geneformer`` and ``sparse`` tokenizers (``sparse``: CSR batches, no ranking or
-padding, as annbatch's are); scDataset
+Contenders, all batch 64: slafload ``BlockShuffle(16, 256)`` on the store in input order as
+``convert`` writes it (Lance 2.2) with the ``raw``, ``geneformer`` and ``sparse`` tokenizers
+(``sparse``: CSR batches, no ranking or padding, as annbatch's are), and with ``raw`` and
+``sparse`` on the same store rewritten in Lance 2.0 by ``slafload optimize``; ``BlockShuffle(256,
+32)`` with the three tokenizers on a store that ``convert(shuffle_seed=0)`` wrote in a shuffled
+order, then ``optimize`` (annbatch's recipe: its writer shuffles its collection once, its
+loader draws random chunks of it anew every epoch; plates are looked up through
+``original_index``); scDataset
 ``BlockShuffling(16)`` with ``fetch_factor=256`` on the backed ``.h5ad``, no workers, batches of CSR torch tensors; slafdb's ``SLAFDataLoader`` with its
 default mixture-of-scanners shuffling and its geneformer tokens; annbatch's ``Loader`` on its
 shuffled collection. A peer that is not installed, or does not import, is listed under
@@ -60,34 +62,47 @@ from typing import Any
 BATCH_SIZE = 64
 BLOCK, FETCH_FACTOR = 16, 256
 SHUFFLED_BLOCK, SHUFFLED_FETCH_FACTOR = 256, 32  # 2,048-cell fetches of 8 random blocks
+# slafload's stores, each written by `convert` from the one .h5ad: (shuffle_seed, rewritten in
+# Lance 2.0 by `optimize`). "slafload" is convert's output as it is (Lance 2.2: mini-block
+# pages, the smallest files); "-2.0" stores are then rewritten by `slafload optimize` (plain
+# pages: ~2.9x the disk, about half the CPU a scattered read); the shuffled one is written in a
+# seeded random order, as annbatch's writer shuffles its collection.
+STORES = {
+    "slafload": (None, False),
+    "slafload-2.0": (None, True),
+    "slafload-shuffled-2.0": (0, True),
+}
 SLAFLOAD = (
     "slafload-raw", "slafload-geneformer", "slafload-sparse",
+    "slafload-2.0-raw", "slafload-2.0-sparse",
     "slafload-shuffled", "slafload-shuffled-geneformer", "slafload-shuffled-sparse",
 )  # fmt: skip
-# Each slafload contender's tokenizer and store: BlockShuffle(16, 256) on the store in input
-# order, or BlockShuffle(256, 32) on a store that `convert(shuffle_seed=0)` pre-shuffled, as
-# annbatch's writer shuffles its collection (any block of that store is a random sample of
-# cells; which blocks meet in a batch changes every epoch, as annbatch's chunks do).
+# Each slafload contender's tokenizer and store: BlockShuffle(16, 256) on a store in input
+# order, or BlockShuffle(256, 32) on the pre-shuffled store (any block of it is a random
+# sample of cells; which blocks meet in a batch changes every epoch, as annbatch's chunks do).
 SLAFLOAD_RUNS = {
     "slafload-raw": ("raw", "slafload"),
     "slafload-geneformer": ("geneformer", "slafload"),
     "slafload-sparse": ("sparse", "slafload"),
-    "slafload-shuffled": ("raw", "slafload-shuffled"),
-    "slafload-shuffled-geneformer": ("geneformer", "slafload-shuffled"),
-    "slafload-shuffled-sparse": ("sparse", "slafload-shuffled"),
+    "slafload-2.0-raw": ("raw", "slafload-2.0"),
+    "slafload-2.0-sparse": ("sparse", "slafload-2.0"),
+    "slafload-shuffled": ("raw", "slafload-shuffled-2.0"),
+    "slafload-shuffled-geneformer": ("geneformer", "slafload-shuffled-2.0"),
+    "slafload-shuffled-sparse": ("sparse", "slafload-shuffled-2.0"),
 }
 CONTENDERS = (*SLAFLOAD, "scdataset", "slafdb", "annbatch")
 YIELDS_LABELS = {"annbatch"}  # batches come with plate labels, not the h5ad's row numbers
+_IN_ORDER = f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR})"
+_SHUFFLED = f"slafload BlockShuffle({SHUFFLED_BLOCK}, {SHUFFLED_FETCH_FACTOR}), store pre-shuffled"
 LABELS = {
-    "slafload-raw": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), raw",
-    "slafload-geneformer": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), geneformer",
-    "slafload-sparse": f"slafload BlockShuffle({BLOCK}, {FETCH_FACTOR}), sparse (CSR)",
-    "slafload-shuffled": f"slafload BlockShuffle({SHUFFLED_BLOCK}, {SHUFFLED_FETCH_FACTOR}), "
-    "store pre-shuffled by convert, raw",
-    "slafload-shuffled-geneformer": f"slafload BlockShuffle({SHUFFLED_BLOCK}, "
-    f"{SHUFFLED_FETCH_FACTOR}), store pre-shuffled, geneformer",
-    "slafload-shuffled-sparse": f"slafload BlockShuffle({SHUFFLED_BLOCK}, "
-    f"{SHUFFLED_FETCH_FACTOR}), store pre-shuffled, sparse (CSR)",
+    "slafload-raw": f"{_IN_ORDER}, raw",
+    "slafload-geneformer": f"{_IN_ORDER}, geneformer",
+    "slafload-sparse": f"{_IN_ORDER}, sparse (CSR)",
+    "slafload-2.0-raw": f"{_IN_ORDER}, store in Lance 2.0, raw",
+    "slafload-2.0-sparse": f"{_IN_ORDER}, store in Lance 2.0, sparse (CSR)",
+    "slafload-shuffled": f"{_SHUFFLED} in Lance 2.0, raw",
+    "slafload-shuffled-geneformer": f"{_SHUFFLED} in Lance 2.0, geneformer",
+    "slafload-shuffled-sparse": f"{_SHUFFLED} in Lance 2.0, sparse (CSR)",
     "scdataset": f"scDataset BlockShuffling({BLOCK}), fetch_factor {FETCH_FACTOR}, backed h5ad",
     "slafdb": "slafdb SLAFDataLoader, mixture of scanners, geneformer",
     "annbatch": "annbatch Loader, shuffled zarr collection",
@@ -128,8 +143,9 @@ def _slafload(spec: dict[str, Any], name: str) -> Iterator[Any]:
     ds = slafload.open_dataset(spec["path"])
     tokenizer, store = SLAFLOAD_RUNS[name]
     block, fetch_factor = (
-        (BLOCK, FETCH_FACTOR) if store == "slafload" else (SHUFFLED_BLOCK, SHUFFLED_FETCH_FACTOR)
-    )
+        (BLOCK, FETCH_FACTOR) if STORES[store][0] is None
+        else (SHUFFLED_BLOCK, SHUFFLED_FETCH_FACTOR)
+    )  # fmt: skip
     sampler = BlockShuffle(block_size=block, fetch_factor=fetch_factor, batch_size=BATCH_SIZE)
     tuning = slafload.Tuning(**spec.get("tuning", {}))  # the defaults unless a run sets some
     # sparse keeps every gene (no token budget) and is packed (CSR) by default
@@ -393,12 +409,11 @@ def convert_all(
         paths[key] = str(out)
 
     if any(n in SLAFLOAD for n in wanted):
-        from slafload.tools.convert import convert
-
         for key in sorted({SLAFLOAD_RUNS[n][1] for n in wanted if n in SLAFLOAD}):
-            out, seed = data / f"{key}.slaf", 0 if key == "slafload-shuffled" else None
-            write(key, out, lambda out=out, seed=seed: convert(
-                [h5ad], out, shuffle_seed=seed, overwrite=True, progress=False))  # fmt: skip
+            seed, optimized = STORES[key]
+            out = data / f"{key}.slaf"
+            write(key, out, lambda out=out, seed=seed, optimized=optimized: _slafload_convert(
+                h5ad, out, seed, optimized))  # fmt: skip
     if "slafdb" in wanted:
         if (why := _peer_error("slaf")) is not None:
             skipped["slafdb"] = why
@@ -418,6 +433,18 @@ def convert_all(
             out = data / "annbatch.zarr"
             write("annbatch", out, lambda: _write_in(python, "annbatch", h5ad, out))
     return paths, seconds, skipped
+
+
+def _slafload_convert(h5ad: Path, out: Path, seed: int | None, optimized: bool) -> None:
+    """``slafload convert`` (``--shuffle-seed`` where ``seed`` is given), then ``slafload
+    optimize`` (Lance 2.0, the older version deleted) where ``optimized``.
+    """
+    from slafload.tools.convert import convert
+    from slafload.tools.optimize import optimize
+
+    convert([h5ad], out, shuffle_seed=seed, overwrite=True, progress=False)
+    if optimized:
+        optimize(out, delete_old_versions=True, progress=False)
 
 
 def _slafdb_convert(h5ad: Path, out: Path) -> None:
@@ -602,7 +629,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             base, settings = variants[name]
             return {**spec_of(base), "tuning": settings.get("tuning", {})}
         key = SLAFLOAD_RUNS[name][1] if name in SLAFLOAD else name
-        plates = _plates_of(paths[key], data) if key == "slafload-shuffled" else spec["plates"]
+        shuffled = key in STORES and STORES[key][0] is not None
+        plates = _plates_of(paths[key], data) if shuffled else spec["plates"]
         return {**spec, "path": paths[key], "plates": plates}
 
     if args.warm_up and any(n in SLAFLOAD for n in names):  # every kernel cached; not reported
