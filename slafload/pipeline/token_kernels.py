@@ -86,36 +86,39 @@ def _sort_runs(keys: np.ndarray, indptr: np.ndarray, spare: np.ndarray, low_mask
     each cell's genes) is sorted from byte ``from_byte`` up: a stable sort by the bytes above
     keeps the order of keys that tie on them. A byte that every key of a run shares is
     skipped (a small count's high bytes), so a cell of counts under 256 with ``uint16`` genes
-    takes one pass.
+    takes one pass. One scan of a run finds both (whether its genes ascend, and which bits
+    differ from its first key's), so a pass is counted only for a byte that needs it.
     """
     n_bytes = keys.itemsize
-    count = np.zeros((n_bytes, 256), np.int64)
+    count = np.zeros(256, np.int64)
     for c in range(len(indptr) - 1):
         start, stop = indptr[c], indptr[c + 1]
         n = stop - start
         if n < 2:
             continue
-        first = from_byte
+        head = keys[start]
+        differ = head ^ head  # the bits in which some key of the run differs from the first
+        ascending = True
         for j in range(start + 1, stop):
+            key = keys[j]
             if keys[j] & low_mask <= keys[j - 1] & low_mask:
-                first = 0
-                break
-        count[:] = 0
-        for j in range(start, stop):
-            for p in range(first, n_bytes):
-                count[p, (keys[j] >> (8 * p)) & 255] += 1
+                ascending = False
+            differ |= key ^ head
         src, dst, moved = keys[start:stop], spare[:n], False
-        for p in range(first, n_bytes):
+        for p in range(from_byte if ascending else 0, n_bytes):
             shift = 8 * p
-            if count[p, (src[0] >> shift) & 255] == n:
+            if (differ >> shift) & 255 == 0:
                 continue  # every key of the run has this byte
+            count[:] = 0
+            for j in range(n):
+                count[(src[j] >> shift) & 255] += 1
             total = 0
             for d in range(256):
-                total, count[p, d] = total + count[p, d], total
+                total, count[d] = total + count[d], total
             for j in range(n):
                 d = (src[j] >> shift) & 255
-                dst[count[p, d]] = src[j]
-                count[p, d] += 1
+                dst[count[d]] = src[j]
+                count[d] += 1
             src, dst, moved = dst, src, not moved
         if moved:
             keys[start:stop] = src
