@@ -12,7 +12,7 @@ from slafload.samplers import BlockShuffle, ChunkShuffle
 # torchdata 0.11 calls torch's deprecated ``set_vital``.
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 N = 230
-SPAWN = {"batch_size": None, "multiprocessing_context": worker_context()}
+WORKERS = {"batch_size": None, "multiprocessing_context": worker_context()}
 # About 1 run in 10-20, a worker dropped mid-epoch aborts as its interpreter exits: its queue
 # feeder thread (not joined by PyTorch) is pickling a batch, with the GIL released inside
 # THPStorage_shareFd, and CPython < 3.14 ends it with pthread_exit, whose unwind through C++
@@ -104,7 +104,7 @@ STOPS = (7, 22, 23)
 def test_stateful_dataloader_with_two_workers_resumes_exactly(atlas, stateful_dataloader):
     """One uninterrupted run with its states taken after batches 7, 22 and 23 (taking one
     changes nothing), each resumed by a new loader: its batches are the run's rest."""
-    loader = stateful_dataloader(uneven_dataset(atlas), num_workers=2, **SPAWN)
+    loader = stateful_dataloader(uneven_dataset(atlas), num_workers=2, **WORKERS)
     full, states = [], {}
     for batch in loader:
         full.append(batch["cell_integer_id"].numpy().copy())
@@ -114,7 +114,7 @@ def test_stateful_dataloader_with_two_workers_resumes_exactly(atlas, stateful_da
     np.testing.assert_array_equal(np.sort(np.concatenate(full)), np.arange(N))
     assert len(full) == 23 and set(states) == set(STOPS)
     for stop_after, state in states.items():
-        resumed = stateful_dataloader(uneven_dataset(atlas), num_workers=2, **SPAWN)
+        resumed = stateful_dataloader(uneven_dataset(atlas), num_workers=2, **WORKERS)
         resumed.load_state_dict(state)
         assert_batch_for_batch_equal(full[:stop_after], ids(resumed), full)
 
@@ -122,7 +122,7 @@ def test_stateful_dataloader_with_two_workers_resumes_exactly(atlas, stateful_da
 @DROPPED_WORKER_ABORT
 @pytest.mark.slow
 def test_persistent_workers_resume_exactly_across_epochs(atlas, stateful_dataloader):
-    settings = {"num_workers": 2, "persistent_workers": True, **SPAWN}
+    settings = {"num_workers": 2, "persistent_workers": True, **WORKERS}
     loader = stateful_dataloader(uneven_dataset(atlas), **settings)
     full = [ids(loader) for _ in range(3)]
     for epoch in full:
@@ -272,7 +272,7 @@ def test_a_mixture_is_split_among_dataloader_workers_and_resumes_in_process(tmp_
     with Loader([a, b], batch_size=10, max_genes=8, seed=2, n_epochs=1) as loader:
         want = rows(loader)
     assert len(want) == 160
-    workers = rows(DataLoader(dataset(), num_workers=2, **SPAWN))  # each reopens the sources
+    workers = rows(DataLoader(dataset(), num_workers=2, **WORKERS))  # each reopens the sources
     assert workers.keys() == want.keys()
     for key, ids_ in want.items():
         np.testing.assert_array_equal(workers[key], ids_)

@@ -101,7 +101,7 @@ def _sort_runs(keys: np.ndarray, indptr: np.ndarray, spare: np.ndarray, low_mask
         ascending = True
         for j in range(start + 1, stop):
             key = keys[j]
-            if keys[j] & low_mask <= keys[j - 1] & low_mask:
+            if key & low_mask <= keys[j - 1] & low_mask:
                 ascending = False
             differ |= key ^ head
         src, dst, moved = keys[start:stop], spare[:n], False
