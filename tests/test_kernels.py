@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ import slafload
 import slafload.kernels
 from slafload.kernels import Kernels, numba_available
 from slafload.pipeline.buffers import RowBuffers, copy_aligned_runs
-from slafload.pipeline.ranking import rank_by_keys
+from slafload.pipeline.ranking import rank_by_keys, rank_counts
 from slafload.tokenizers import quantile_bins
 from slafload.types import RankedChunk
 
@@ -63,9 +64,9 @@ def test_compiled_quantile_bins_equal_numpy(dtype, n_bins, offset, out_dtype):
 @needs_numba
 @pytest.mark.parametrize(
     ("gene_type", "value_type", "top"),
-    [(np.uint16, np.uint16, 40), (np.uint16, np.uint16, 65_535), (np.uint16, np.float32, 0),
-     (np.int32, np.int64, 1 << 20)],
-)  # fmt: skip  # 32-bit keys of small and of full-width counts, 64-bit keys (floats, wide ints)
+    [(np.uint16, np.float32, 0), (np.int32, np.float32, 0), (np.uint8, np.uint64, 200),
+     (np.int32, np.uint64, 1 << 20)],
+)  # fmt: skip  # 48- and 64-bit keys of floats; 32- and 64-bit keys of uint64 (not counts')
 def test_compiled_rank_sort_equals_numpy(gene_type, value_type, top):
     rng = np.random.default_rng(top)
     lengths = rng.integers(0, 300, 200)
@@ -86,6 +87,47 @@ def test_compiled_rank_sort_equals_numpy(gene_type, value_type, top):
     for a, b in zip(got, want, strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
+
+
+@needs_numba
+@pytest.mark.parametrize(
+    ("gene_type", "value_type", "top"),
+    [(np.uint16, np.uint16, 40), (np.uint16, np.uint16, 65_535), (np.uint16, np.uint8, 255),
+     (np.int32, np.int64, 1 << 40), (np.int64, np.int32, 300)],
+)  # fmt: skip  # counts within one pass's 256 buckets, and far beyond them
+def test_compiled_count_ranking_equals_numpy(gene_type, value_type, top):
+    rng = np.random.default_rng(top)
+    lengths = rng.integers(0, 300, 200)
+    lengths[::13], lengths[1::17], lengths[2::19] = 0, 1, 3  # empty, single, under 4 entries
+    indptr = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    # Genes ascending in most cells, as a chunk holds them, and in any order in every third.
+    cells = [rng.permutation(20_000)[:n] for n in lengths]
+    cells = [g if i % 3 == 0 else np.sort(g) for i, g in enumerate(cells)]
+    genes = np.concatenate(cells).astype(gene_type)
+    # Mostly small counts with ties (one bucket each), a few far above a cell's lowest.
+    values = rng.geometric(0.4, len(genes))
+    high = rng.random(len(genes)) < 0.05
+    values[high] = rng.integers(1, top, high.sum(), endpoint=True)
+    values = values.astype(value_type)
+    values[indptr[5] : indptr[6]] = values[indptr[5]]  # a cell of one value: ties by gene
+    values[indptr[7] : indptr[8]] = top  # a cell of one high value
+    want = (np.empty_like(genes), np.empty_like(values))
+    for start, stop in itertools.pairwise(indptr):  # values down, genes up
+        cell = slice(start, stop)
+        order = np.lexsort((genes[cell], -values[cell].astype(np.int64)))
+        want[0][cell], want[1][cell] = genes[cell][order], values[cell][order]
+    got = rank_counts(indptr, genes, values, Kernels("numba"))
+    assert want is not None and got is not None
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_count_ranking_leaves_floats_and_uint64_to_the_keys():
+    indptr, genes = np.array([0, 2]), np.array([3, 1], dtype=np.uint16)
+    for values in (np.array([1.0, 2.0], np.float32), np.array([1, 2], np.uint64)):
+        assert rank_counts(indptr, genes, values, Kernels("auto")) is None
+    assert rank_counts(indptr, genes, np.array([1, 2], np.uint16), Kernels("numpy")) is None
 
 
 @needs_numba
@@ -226,7 +268,7 @@ def test_loader_tokens_are_the_same_with_compiled_kernels(
     want = batches(atlas, tokenizer, layout, "numpy")
     assert not compiled
     got = batches(atlas, tokenizer, layout, "numba")
-    expected = {"copy_runs_1" if tokenizer == "geneformer" else "copy_runs_2", "sort_runs"}
+    expected = {"copy_runs_1" if tokenizer == "geneformer" else "copy_runs_2", "rank_counts"}
     expected |= {"quantile_bins"} if tokenizer == "scgpt" else set()
     expected |= {"fill_runs"} if layout == "padded" else set()
     assert expected <= set(compiled)

@@ -124,11 +124,77 @@ def _sort_runs(keys: np.ndarray, indptr: np.ndarray, spare: np.ndarray, low_mask
             keys[start:stop] = src
 
 
+def _rank_counts(genes: np.ndarray, values: np.ndarray, indptr: np.ndarray,
+                 out_genes: np.ndarray, out_values: np.ndarray, count: np.ndarray,
+                 bucket: np.ndarray) -> None:  # fmt: skip
+    """:func:`~slafload.pipeline.ranking.rank_counts`: each cell's ``(genes, values)`` of
+    ``indptr`` into the same positions of ``out_genes``/``out_values``, values descending,
+    ties by gene ascending, for integer values (positive, within ``int64``).
+
+    No keys: one stable counting pass a cell over the value's distance below the cell's
+    highest, in at most 256 buckets (``count``: ``int64[4, 256]`` scratch, four histograms
+    over the run's four quarters, so that a run of equal counts updates four counters in turn
+    instead of waiting on one; ``bucket``: ``uint8`` scratch as long as the longest run).
+    Values 255 or more above the cell's lowest (its few highest counts) share the first
+    bucket and are then put in order by a stable merge sort. A run whose genes do not ascend
+    (a chunk holds them ascending) is put in gene order first.
+    """
+    for c in range(len(indptr) - 1):
+        start, stop = indptr[c], indptr[c + 1]
+        n = stop - start
+        if n == 0:
+            continue
+        g, v = genes[start:stop], values[start:stop]
+        lo = hi = np.int64(v[0])
+        ascending = True
+        for j in range(1, n):
+            x = np.int64(v[j])
+            lo, hi = min(lo, x), max(hi, x)
+            if g[j] <= g[j - 1]:
+                ascending = False
+        if not ascending:
+            by_gene = np.argsort(g, kind="mergesort")
+            g, v = g[by_gene], v[by_gene]
+        top = lo + 255  # values from here up share bucket 0; value x < top is in top - x
+        b = bucket[:n]
+        for j in range(n):
+            x = np.int64(v[j])
+            b[j] = 0 if x >= top else top - x
+        first = 0 if hi >= top else top - hi  # buckets first..255 are used
+        count[:, first:] = 0
+        h = n // 4
+        for j in range(h):
+            for q in range(4):
+                count[q, b[q * h + j]] += 1
+        for j in range(4 * h, n):
+            count[3, b[j]] += 1
+        total = 0
+        for d in range(first, 256):
+            for q in range(4):
+                total, count[q, d] = total + count[q, d], total
+        og, ov = out_genes[start:stop], out_values[start:stop]
+        for j in range(h):
+            for q in range(4):
+                i = q * h + j
+                at = count[q, b[i]]
+                og[at], ov[at] = g[i], v[i]
+                count[q, b[i]] = at + 1
+        for i in range(4 * h, n):
+            at = count[3, b[i]]
+            og[at], ov[at] = g[i], v[i]
+            count[3, b[i]] = at + 1
+        high = count[3, 0] if first == 0 else 0  # where bucket 0 ends, after the pass
+        if high > 1:
+            by_value = np.argsort(-ov[:high].astype(np.int64), kind="mergesort")
+            og[:high], ov[:high] = og[:high][by_value], ov[:high][by_value]
+
+
 KERNELS = {
     "copy_runs_1": _copy_runs_1,
     "copy_runs_2": _copy_runs_2,
     "fill_runs": _fill_runs,
     "quantile_bins": _quantile_bins,
+    "rank_counts": _rank_counts,
     "sort_runs": _sort_runs,
 }
 """The kernels by the names :class:`slafload.kernels.Kernels` runs them under."""
