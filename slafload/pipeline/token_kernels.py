@@ -126,18 +126,22 @@ def _sort_runs(keys: np.ndarray, indptr: np.ndarray, spare: np.ndarray, low_mask
 
 def _rank_counts(genes: np.ndarray, values: np.ndarray, indptr: np.ndarray,
                  out_genes: np.ndarray, out_values: np.ndarray, count: np.ndarray,
-                 bucket: np.ndarray) -> None:  # fmt: skip
+                 bucket: np.ndarray, spare_genes: np.ndarray, spare_values: np.ndarray,
+                 unordered: np.ndarray) -> None:  # fmt: skip
     """:func:`~slafload.pipeline.ranking.rank_counts`: each cell's ``(genes, values)`` of
     ``indptr`` into the same positions of ``out_genes``/``out_values``, values descending,
-    ties by gene ascending, for integer values (positive, within ``int64``).
+    ties by gene ascending, for integer values (positive, within ``int64``) of cells whose
+    genes ascend (as a chunk holds them).
 
     No keys: one stable counting pass a cell over the value's distance below the cell's
     highest, in at most 256 buckets (``count``: ``int64[4, 256]`` scratch, four histograms
     over the run's four quarters, so that a run of equal counts updates four counters in turn
     instead of waiting on one; ``bucket``: ``uint8`` scratch as long as the longest run).
     Values 255 or more above the cell's lowest (its few highest counts) share the first
-    bucket and are then put in order by a stable merge sort. A run whose genes do not ascend
-    (a chunk holds them ascending) is put in gene order first.
+    bucket, which is then put in order by stable radix passes over the bytes of the value's
+    distance below the highest (``spare_genes``/``spare_values``: scratch as long as the
+    longest run, of the outputs' types). A cell whose genes do not strictly ascend stops the
+    kernel with ``unordered[0] = 1`` (the caller ranks the piece another way).
     """
     for c in range(len(indptr) - 1):
         start, stop = indptr[c], indptr[c + 1]
@@ -153,8 +157,8 @@ def _rank_counts(genes: np.ndarray, values: np.ndarray, indptr: np.ndarray,
             if g[j] <= g[j - 1]:
                 ascending = False
         if not ascending:
-            by_gene = np.argsort(g, kind="mergesort")
-            g, v = g[by_gene], v[by_gene]
+            unordered[0] = 1
+            return
         top = lo + 255  # values from here up share bucket 0; value x < top is in top - x
         b = bucket[:n]
         for j in range(n):
@@ -184,9 +188,26 @@ def _rank_counts(genes: np.ndarray, values: np.ndarray, indptr: np.ndarray,
             og[at], ov[at] = g[i], v[i]
             count[3, b[i]] = at + 1
         high = count[3, 0] if first == 0 else 0  # where bucket 0 ends, after the pass
-        if high > 1:
-            by_value = np.argsort(-ov[:high].astype(np.int64), kind="mergesort")
-            og[:high], ov[:high] = og[:high][by_value], ov[:high][by_value]
+        if high < 2:
+            continue
+        src_g, src_v, dst_g, dst_v = og[:high], ov[:high], spare_genes[:high], spare_values[:high]
+        digits, moved = hi - top, False  # the largest distance below hi in bucket 0
+        shift, per = 0, count[0]
+        while digits >> shift:
+            per[:] = 0
+            for j in range(high):
+                per[((hi - np.int64(src_v[j])) >> shift) & 255] += 1
+            total = 0
+            for d in range(256):
+                total, per[d] = total + per[d], total
+            for j in range(high):
+                digit = ((hi - np.int64(src_v[j])) >> shift) & 255
+                dst_g[per[digit]], dst_v[per[digit]] = src_g[j], src_v[j]
+                per[digit] += 1
+            src_g, src_v, dst_g, dst_v, moved = dst_g, dst_v, src_g, src_v, not moved
+            shift += 8
+        if moved:
+            og[:high], ov[:high] = src_g, src_v
 
 
 KERNELS = {
