@@ -4,14 +4,15 @@
 (Gene *ranking*; the partition of epochs among distributed ranks is :mod:`slafload.pipeline.partition`.)
 
 Within every cell the expressed genes (value > 0) are ordered by value, highest first, ties
-broken by gene id ascending. Integer counts are ranked by a compiled counting sort of the whole
-piece with the GIL released where numba is installed (:func:`rank_counts`). Otherwise, and
-until that kernel is compiled, when a gene id and its value pack into one 32- or 64-bit
-integer key (integer counts, ``float32`` values), each cell's keys are sorted: by a compiled
-radix sort of the whole piece, else by numpy's SIMD sort one cell at a time
-(:func:`rank_by_keys`: either about a third of the CPU time of the Polars window, measured;
-the counting sort about half the radix sort's on counts). Otherwise the whole chunk is ranked in one Polars window expression
-(``struct(gene, value).sort_by(value).over(cell)``) running in Rust with the GIL released.
+broken by gene id ascending. Integer counts are ranked by a compiled counting sort of the
+whole piece with the GIL released where numba is installed (:func:`rank_counts`, about half
+the CPU of the radix sort below on counts). Otherwise, and until that kernel is compiled,
+when a gene id and its value pack into one 32- or 64-bit integer key (integer counts,
+``float32`` values), each cell's keys are sorted: by a compiled radix sort of the whole
+piece, else by numpy's SIMD sort one cell at a time (:func:`rank_by_keys`: either about a
+third of the CPU time of the Polars window, measured). Otherwise the whole chunk is ranked in
+one Polars window expression (``struct(gene, value).sort_by(value).over(cell)``) running in
+Rust with the GIL released.
 The result keeps the chunk's CSR layout, so a cell's ranked genes are contiguous and the
 ``j``-th of them has rank ``j``. A tokenizer that reads no rank (``ranks_genes = False``: the
 ``sparse`` one) gets :func:`in_gene_order` instead: the expressed genes as the chunk holds
