@@ -134,9 +134,9 @@ def rank_counts(
     indptr: np.ndarray, genes: np.ndarray, values: np.ndarray, kernels: Kernels = NUMPY
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Each cell's ``(genes, values)`` in rank order for integer ``values`` (counts), by the
-    compiled ``rank_counts`` kernel: no keys, one stable counting pass a cell over at most 256
-    buckets of the value above the cell's lowest, its few values higher still radix-sorted
-    after (about half the CPU of :func:`rank_by_keys`' radix sort on counts, measured).
+    compiled ``rank_counts`` kernel: no keys, one stable counting pass a cell over 256
+    buckets, one for each value from the cell's lowest to 254 above it, its few values higher
+    still radix-sorted after (about half the CPU of :func:`rank_by_keys`' radix sort on counts, measured).
 
     Returns ``None`` where it does not run: values that are not integers within ``int64``,
     ``kernels`` not compiled (yet), or a cell whose genes do not strictly ascend (a chunk
@@ -191,8 +191,8 @@ def rank_by_keys(
     spare = scratch("rank_spare", longest, key_type)
     low = key_type((1 << gene_bits) - 1)  # the gene: ascending in a chunk's cells
     # Counts are compiled as rank_counts: until that is loaded, numpy (no sort_runs compile).
-    compiled = not _counts(values)
-    if not (compiled and kernels.run("sort_runs", keys, indptr, spare, low, gene_bits // 8)):
+    radix = not _counts(values)
+    if not (radix and kernels.run("sort_runs", keys, indptr, spare, low, gene_bits // 8)):
         for start, stop in pairwise(indptr.tolist()):
             if stop - start > 1:
                 keys[start:stop].sort()

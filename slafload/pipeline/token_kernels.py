@@ -133,10 +133,11 @@ def _rank_counts(genes: np.ndarray, values: np.ndarray, indptr: np.ndarray,
     ties by gene ascending, for integer values (positive, within ``int64``) of cells whose
     genes ascend (as a chunk holds them).
 
-    No keys: one stable counting pass a cell over the value's distance below the cell's
-    highest, in at most 256 buckets (``count``: ``int64[4, 256]`` scratch, four histograms
-    over the run's four quarters, so that a run of equal counts updates four counters in turn
-    instead of waiting on one; ``bucket``: ``uint8`` scratch as long as the longest run).
+    No keys: one stable counting pass a cell over 256 buckets, one for each value from the
+    cell's lowest to 254 above it, highest first (``count``: ``int64[4, 256]`` scratch, four
+    histograms over the run's four quarters, so that a run of equal counts updates four
+    counters in turn instead of waiting on one; ``bucket``: ``uint8`` scratch as long as the
+    longest run).
     Values 255 or more above the cell's lowest (its few highest counts) share the first
     bucket, which is then put in order by stable radix passes over the bytes of the value's
     distance below the highest (``spare_genes``/``spare_values``: scratch as long as the
