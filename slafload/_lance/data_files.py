@@ -39,6 +39,7 @@ other names than the table's first (columns renamed between writes) is read thro
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -51,8 +52,8 @@ import numpy as np
 import pyarrow as pa
 
 from slafload._lance._compat import take_scan
-from slafload._lance.flat_pages import V2_0, V2_1, FlatFile
-from slafload._lance.flat_reads import FlatRange, read_ranges
+from slafload._lance.flat_pages import V2_0, V2_1, FlatFile, _fixed
+from slafload._lance.flat_reads import FlatRange, Layout, read_into, read_ranges
 from slafload._lance.fragments import Deletions, Matched, file_versions, stored_names, survey
 from slafload._lance.object_store import StoreOptions, supported
 from slafload._lance.open_files import DECLINED, OpenFiles, is_remote
@@ -63,6 +64,8 @@ from slafload.pipeline.buffers import BytePool
 from slafload.pipeline.ranges import expand
 
 logger = logging.getLogger(__name__)
+
+Layouts = tuple[tuple[Layout, tuple[int, ...]], ...]  # a read's buffers and their columns
 
 STREAMS_AT_ONCE = 128  # read_range streams alive at once (each holds its pages until consumed)
 WINDOW_ROWS = 1 << 21  # ...and rows a read thread holds at once: a window is read whole first
@@ -266,6 +269,7 @@ class DataFiles(OpenFiles):
         rows: np.ndarray,
         columns: Sequence[str],
         wanted: Sequence[np.ndarray | None] | None = None,
+        apart: Sequence[str] = (),
     ) -> list[Sequence[pa.RecordBatch]]:
         """The batches of every row range (non-empty ``int64[k, 2]``), one sequence per range.
 
@@ -276,6 +280,12 @@ class DataFiles(OpenFiles):
         (:func:`~slafload._lance.pieces.keep_rows`), so the gap rows of a coalesced span (up to 32 times the wanted rows
         for scattered single cells) live only while that piece is in hand, not until the
         whole fetch is assembled.
+
+        Flat pieces are read into one buffer per read, each column's rows of all of them back
+        to back in range order (:meth:`_layout`), so the fetch's columns need no copy to be
+        made one; the columns ``apart`` names get a buffer of their own, which goes back to
+        the pool as soon as they are dropped, not when the rest is (local files: on an
+        object store the columns' requests are coalesced together).
 
         Returns at once: the reads run on ``threads`` background threads, one task each
         (:meth:`_read_windows`), each data file's pieces in one task, the files dealt to the
@@ -289,13 +299,14 @@ class DataFiles(OpenFiles):
         cols = names if self.table is None else tuple(self.table.names[c] for c in names)
         which, file, lo, n = self.pieces(rows)
         keep = pieces_kept(rows, wanted, which, self.starts[file] + lo, n)
-        job = Job(cols, names, [None] * len(file), keep, [], [])
-        if self.table is not None:  # each piece's live rows, for a file read through Lance
-            job.live.extend(zip((self.starts[file] + lo).tolist(), n.tolist(), strict=True))
-            job.live_keep.extend(keep)
+        live: list[tuple[int, int]] = []  # each piece's live rows, for a file read through Lance
+        live_keep = list(keep)
+        if self.table is not None:
+            live.extend(zip((self.starts[file] + lo).tolist(), n.tolist(), strict=True))
             if self.table.deletions:
                 lo, n, keep = self._physical(file, lo, n, keep)
-                job.keep[:] = keep
+        layouts, first = self._layouts(cols, names, n, keep, apart)
+        job = Job(cols, names, [None] * len(file), keep, live, live_keep, layouts, first)
         by_file: dict[int, list[tuple[int, int, int]]] = {}
         for k, (f, a, m) in enumerate(zip(file.tolist(), lo.tolist(), n.tolist(), strict=True)):
             by_file.setdefault(f, []).append((k, a, m))
@@ -322,6 +333,38 @@ class DataFiles(OpenFiles):
         for k, w in enumerate(which.tolist()):
             parts[w].append(k)
         return [Pending([owner[k] for k in p], job.tables, p, self.notice) for p in parts]
+
+    def _layouts(
+        self, cols: tuple[str, ...], names: tuple[str, ...], n: np.ndarray,
+        keep: Sequence[np.ndarray | None], apart: Sequence[str] = (),
+    ) -> tuple[Layouts, list[int]]:  # fmt: skip
+        """The buffers every flat piece of a read is read into, each with the positions of
+        its columns (the columns ``apart`` names in one, the rest in another), and each
+        piece's first row in them.
+
+        The pieces' rows (those kept) lie in them in piece order, so each column of the fetch
+        they make is one run of memory, which the chunk takes without a copy
+        (:mod:`slafload.pipeline.chunk`). None where no file is read flat or the table's
+        columns are not all fixed-width numbers; a piece read otherwise leaves its rows of
+        the buffers unused.
+        """
+        if not self.flat or self.table is None:
+            return (), []
+        schema = self.table.expression.schema
+        fields = [schema.field(name).with_name(c) for c, name in zip(cols, names, strict=True)]
+        if not all(_fixed(f.type) for f in fields):
+            return (), []
+        rows = [m if k is None else int((k[:, 1] - k[:, 0]).sum())
+                for m, k in zip(n.tolist(), keep, strict=True)]  # fmt: skip
+        first = list(itertools.accumulate(rows, initial=0))
+        # On an object store one buffer: one fill coalesces every column's runs of a window
+        # into fewer requests (a request costs more than the memory kept).
+        split = [i for i, name in enumerate(names) if name in apart and self.ranged is None]
+        groups = [g for g in (split, [i for i in range(len(names)) if i not in split]) if g]
+        return tuple(
+            (Layout.make(pa.schema([fields[i] for i in g]), first[-1], self._pool), tuple(g))
+            for g in groups
+        ), first
 
     def _physical(
         self, file: np.ndarray, lo: np.ndarray, n: np.ndarray, keep: list[np.ndarray | None]
@@ -364,7 +407,9 @@ class DataFiles(OpenFiles):
                 for some, read in zip(plan, done, strict=True):
                     self._open_window(some, job.cols)
                     streams = [self._stream(f, job.cols, a, m) for f, _, a, m in some]
-                    flat = self._read_flat(streams, [job.keep[k] for _, k, _, _ in some])
+                    first = [job.first[k] for _, k, _, _ in some] if job.layouts else []
+                    flat = self._read_flat(streams, [job.keep[k] for _, k, _, _ in some],
+                                           job.layouts, first)  # fmt: skip
                     for i, ((_, k, _, _), stream) in enumerate(zip(some, streams, strict=True)):
                         if i in flat:  # read flat: the kept rows only
                             job.tables[k] = job.named(flat[i])
@@ -391,30 +436,40 @@ class DataFiles(OpenFiles):
         return table if ranges is None else keep_rows(table, ranges)
 
     def _read_flat(
-        self, streams: list[Any], keep: Sequence[np.ndarray | None]
-    ) -> dict[int, pa.Table]:
+        self, streams: list[Any], keep: Sequence[np.ndarray | None],
+        layouts: Layouts = (), first: Sequence[int] = (),
+    ) -> dict[int, pa.Table]:  # fmt: skip
         """The tables of the :class:`FlatRange` items of ``streams``, by position, all read
-        by one :func:`~slafload._lance.flat_reads.read_ranges` call: of a piece whose ``keep`` names
-        the rows it keeps (relative to the piece), those rows alone, each run its own read
-        (a flat read costs ~0.03 ms, so reading through the gaps saves nothing: on the 5M
-        atlas, ``BlockShuffle(1, 256)``'s coalesced spans were ~20x its rows, and the pieces
-        read whole beside them held their gap rows in memory).
+        by one :func:`~slafload._lance.flat_reads.read_into` call a buffer: of a piece whose
+        ``keep`` names the rows it keeps (relative to the piece), those rows alone, each run
+        its own read (a flat read costs ~0.03 ms, so reading through the gaps saves nothing:
+        on the 5M atlas, ``BlockShuffle(1, 256)``'s coalesced spans were ~20x its rows, and
+        the pieces read whole beside them held their gap rows in memory).
+
+        With the read's ``layouts`` (:meth:`_layouts`), each piece's rows are read into them
+        from its row ``first[i]`` on and its table is made of slices of theirs; without them
+        (or for files whose columns are not theirs), into a buffer of the window's own.
         """
-        runs, owner = [], []
+        runs, owner, at = [], [], []
         for i, (stream, kept) in enumerate(zip(streams, keep, strict=True)):
             if not isinstance(stream, FlatRange):
                 continue
-            if kept is None:
-                runs.append(stream)
-                owner.append(i)
-                continue
+            row = first[i] if layouts else 0
             file, start = stream.file, stream.start
-            for a, b in kept.tolist() or [(0, 0)]:
+            for a, b in [(0, stream.rows)] if kept is None else kept.tolist() or [(0, 0)]:
                 runs.append(FlatRange(file, start + a, b - a))
                 owner.append(i)
+                at.append(row)
+                row += b - a
+        if not runs:
+            return {}
+        if layouts and _layouts_fit(runs, layouts):
+            for layout, columns in layouts:
+                read_into(runs, layout, at, self.kernels, self._pool, columns)
+            ends = {i: row + r.rows for i, row, r in zip(owner, at, runs, strict=True)}
+            return {i: _sliced(layouts, first[i], end - first[i]) for i, end in ends.items()}
         parts: dict[int, list[pa.Table]] = {}
-        read = read_ranges(runs, self.kernels, self._pool) if runs else []
-        for i, table in zip(owner, read, strict=True):
+        for i, table in zip(owner, read_ranges(runs, self.kernels, self._pool), strict=True):
             parts.setdefault(i, []).append(table)
         return {i: t[0] if len(t) == 1 else pa.concat_tables(t) for i, t in parts.items()}
 
@@ -433,6 +488,32 @@ class DataFiles(OpenFiles):
             # ~5% more CPU per range, measured on the 5M-cell atlas.
             lance_reader: Any = reader
             return lance_reader.read_range(start, rows, batch_size=rows, batch_readahead=1)
+
+
+def _layouts_fit(runs: Sequence[FlatRange], layouts: Layouts) -> bool:
+    """Whether the files of ``runs`` store the columns of ``layouts``, in their dtypes."""
+    dtypes: dict[int, np.dtype] = {}
+    for layout, columns in layouts:
+        dtypes.update(zip(columns, layout.dtypes, strict=True))
+    wanted = [dtypes[c] for c in range(len(dtypes))]
+    files = {id(r.file): r.file for r in runs}.values()
+    return all([c.dtype for c in f._columns] == wanted for f in files)
+
+
+def _sliced(layouts: Layouts, first: int, rows: int) -> pa.Table:
+    """Rows ``[first, first + rows)`` of ``layouts``' tables, as one table in column order."""
+    if len(layouts) == 1:
+        return layouts[0][0].table.slice(first, rows)
+    fields: dict[int, pa.Field] = {}
+    arrays: dict[int, pa.ChunkedArray] = {}
+    for layout, columns in layouts:
+        table = layout.table.slice(first, rows)
+        for j, c in enumerate(columns):
+            fields[c], arrays[c] = table.schema.field(j), table.column(j)
+    order = sorted(fields)
+    return pa.Table.from_arrays(
+        [arrays[c] for c in order], schema=pa.schema([fields[c] for c in order])
+    )
 
 
 def _windows(

@@ -50,7 +50,7 @@ from lance.file import LanceFileReader
 
 from slafload._lance import miniblock
 from slafload._lance.encodings import flat_bits
-from slafload._lance.flat_reads import FlatRange, read_ranges
+from slafload._lance.flat_reads import FlatRange, _dtype, read_ranges
 from slafload._lance.footers import Footer, Page, read_footer
 from slafload.kernels import NUMPY, Kernels
 
@@ -258,11 +258,6 @@ def meta_columns(
 
 def _fixed(kind: pa.DataType) -> bool:
     return pa.types.is_integer(kind) or pa.types.is_floating(kind)
-
-
-def _dtype(kind: pa.DataType) -> np.dtype:
-    """The little-endian numpy dtype of a fixed-width Arrow type."""
-    return np.dtype(kind.to_pandas_dtype()).newbyteorder("<")
 
 
 def _column(kind: pa.DataType, pages: Sequence[Page], num_rows: int) -> _Column | None:

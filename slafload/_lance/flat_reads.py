@@ -1,10 +1,12 @@
-r"""Reading row ranges of flat data files: every column of a window's ranges in one buffer.
+r"""Reading row ranges of flat data files into buffers laid out by column (:class:`Layout`).
 
 The files are :class:`~slafload._lance.flat_pages.FlatFile`\ s, opened and checked there. A
 window of ranges is planned in Python (:func:`_plan`: which file bytes go where), then read by
 the ``pread_runs`` and ``decode_chunks`` kernels where they are compiled
 (:mod:`slafload._lance.read_kernels`), else by ``preadv`` and :mod:`slafload._lance.miniblock`'s
-numpy decoder.
+numpy decoder. :func:`read_ranges` reads a window into a layout of its own;
+:class:`~slafload._lance.data_files.DataFiles` reads every window of a fetch into the fetch's
+layouts (:func:`read_into`), so each of the fetch's columns is one run of memory.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import bisect
 import itertools
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -24,6 +27,11 @@ from slafload.pipeline.buffers import BytePool, fresh
 
 if TYPE_CHECKING:
     from slafload._lance.flat_pages import FlatFile
+
+
+def _dtype(kind: pa.DataType) -> np.dtype:
+    """The little-endian numpy dtype of a fixed-width Arrow type."""
+    return np.dtype(kind.to_pandas_dtype()).newbyteorder("<")
 
 
 class FlatRange(NamedTuple):
@@ -40,35 +48,78 @@ def read_ranges(
     """The tables of rows ``[start, start + rows)`` of each ``(file, start, rows)``, in order.
 
     The files must have the same columns. Every column of every range is read into one
-    buffer, column by column (each column's values of all the ranges back to back), by one
-    call of the ``pread_runs`` kernel where ``kernels`` has it compiled (one release of the
-    GIL for the lot), else by one ``preadv`` per column and page (each of which must take the
-    GIL back); the ranges' tables are zero-copy slices of one table over that buffer, taken
-    from ``pool`` where one is given. A read the kernel could not finish (an I/O error, a file
-    cut short) is done again by ``preadv``, which raises its ``OSError``. Mini-block pages
-    (2.1+) are read the same way into a second buffer, the chunks holding each range, then
-    decoded into the first by one call of the ``decode_chunks`` kernel
+    buffer (a :class:`Layout`: each column's values of all the ranges back to back) by
+    :func:`read_into`; the ranges' tables are zero-copy slices of one table over that
+    buffer, taken from ``pool`` where one is given.
+    """
+    if not ranges:
+        return []
+    rows = [r.rows for r in ranges]
+    layout = Layout.make(ranges[0].file.schema, sum(rows), pool)
+    row_at = list(itertools.accumulate(rows, initial=0))[:-1]
+    read_into(ranges, layout, row_at, kernels, pool)
+    return [layout.table.slice(first, n) for first, n in zip(row_at, rows, strict=True)]
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """A buffer that rows of flat files are read into: each column's values of every row
+    back to back (``col_at[c]`` on, 8-byte aligned), and the table over it (zero-copy).
+
+    A read's pieces read into one layout at their own rows (:func:`read_into`) are slices of
+    one table whose columns each lie in one run of memory, so a chunk made of them needs no
+    copy (:mod:`slafload.pipeline.chunk`).
+    """
+
+    buffer: np.ndarray
+    dtypes: list[np.dtype]
+    col_at: list[int]
+    table: pa.Table
+
+    @classmethod
+    def make(cls, schema: pa.Schema, n_rows: int, pool: BytePool | None = None) -> Layout:
+        """An uninitialised layout of ``n_rows`` rows of ``schema`` (fixed-width columns),
+        its buffer from ``pool`` where one is given (fresh otherwise: no huge-page
+        compaction stalls, :func:`~slafload.pipeline.buffers.fresh`).
+        """
+        dtypes = [_dtype(field.type) for field in schema]
+        col_at, total = [], 0
+        for dtype in dtypes:
+            col_at.append(total)
+            total = -(-(total + n_rows * dtype.itemsize) // 8) * 8
+        buffer = fresh(total, np.uint8) if pool is None else pool.take(total)
+        arrays = [pa.array(buffer[a : a + n_rows * dtype.itemsize].view(dtype))
+                  for dtype, a in zip(dtypes, col_at, strict=True)]  # fmt: skip
+        return cls(buffer, dtypes, col_at, pa.Table.from_arrays(arrays, schema=schema))
+
+
+def read_into(
+    ranges: Sequence[FlatRange], layout: Layout, row_at: Sequence[int],
+    kernels: Kernels = NUMPY, pool: BytePool | None = None,
+    columns: Sequence[int] | None = None,
+) -> None:  # fmt: skip
+    """Read rows ``[start, start + rows)`` of each ``(file, start, rows)`` into ``layout``
+    from its row ``row_at[i]`` on: the files' columns ``columns`` (positions among them;
+    ``None``: all), which must be the layout's.
+
+    One call of the ``pread_runs`` kernel where ``kernels`` has it compiled (one release of
+    the GIL for the lot), else one ``preadv`` per column and page (each of which must take
+    the GIL back). A read the kernel could not finish (an I/O error, a file cut short) is
+    done again by ``preadv``, which raises its ``OSError``. Mini-block pages (2.1+) are read
+    the same way into a scratch buffer (from ``pool`` where given), the chunks holding each
+    range, then decoded into the layout by one call of the ``decode_chunks`` kernel
     (:mod:`slafload._lance.miniblock`'s numpy code until it is compiled). Files on an object
-    store (:class:`~slafload._lance.ranged.RangedFile`) are read the same way but for the reads
-    themselves, which their ``fill`` makes as range requests.
+    store (:class:`~slafload._lance.ranged.RangedFile`) are read the same way but for the
+    reads themselves, which their ``fill`` makes as range requests.
 
     The planning is a few Python steps per range, column and page (its lookups ``bisect``
     on Python ints): on the 5M-cell atlas a window holds ~128 ranges from as many files, so
     there is no per-file batch to vectorize, and every step runs holding the GIL.
     """
     if not ranges:
-        return []
-    head = ranges[0].file
-    dtypes = [column.dtype for column in head._columns]
-    row_at = [0, *itertools.accumulate(r.rows for r in ranges)]
-    n_rows = row_at[-1]
-    col_at, total = [], 0  # each column's values of every range, 8-byte aligned
-    for dtype in dtypes:
-        col_at.append(total)
-        total = -(-(total + n_rows * dtype.itemsize) // 8) * 8
-    direct, packed, decode = _plan(ranges, dtypes, row_at, col_at)
-    # Fresh arrays come from buffers.fresh: no huge-page compaction stalls.
-    buffer = fresh(total, np.uint8) if pool is None else pool.take(total)
+        return
+    head, buffer = ranges[0].file, layout.buffer
+    direct, packed, decode = _plan(ranges, layout.dtypes, row_at, layout.col_at, columns)
     scratch = (
         np.zeros(0, np.uint8) if not len(decode.table)
         else fresh(packed.total, np.uint8) if pool is None else pool.take(packed.total)
@@ -82,17 +133,16 @@ def read_ranges(
         if len(decode.table):
             packed.read(scratch, kernels)
             decode.run(scratch, buffer, kernels)
-    del scratch  # back to the pool
-    arrays = [pa.array(buffer[a : a + n_rows * dtype.itemsize].view(dtype))
-              for dtype, a in zip(dtypes, col_at, strict=True)]  # fmt: skip
-    whole = pa.Table.from_arrays(arrays, schema=head.schema)
-    return [whole.slice(first, r.rows) for r, first in zip(ranges, row_at, strict=False)]
 
 
 def _plan(
-    ranges: Sequence[FlatRange], dtypes: list[np.dtype], row_at: list[int], col_at: list[int]
+    ranges: Sequence[FlatRange],
+    dtypes: list[np.dtype],
+    row_at: Sequence[int],
+    col_at: list[int],
+    which: Sequence[int] | None = None,
 ) -> tuple[_Runs, _Runs, _Decode]:
-    """What :func:`read_ranges` reads: the runs of plain values read where they go (each
+    """What :func:`read_into` reads (the files' columns ``which``; ``None``: all): the runs of plain values read where they go (each
     range's rows of column ``c`` from ``col_at[c] + row_at[range] * width``), the runs of
     mini-block chunks read into a scratch buffer, and the decode jobs of those chunks.
     """
@@ -105,7 +155,7 @@ def _plan(
     chunk_rows: list[np.ndarray] = []
     n_chunks = n_rows_of = 0
     for (file, start, rows), first in zip(ranges, row_at, strict=False):
-        columns = file._columns
+        columns = file._columns if which is None else [file._columns[c] for c in which]
         if [c.dtype for c in columns] != dtypes:
             raise ValueError(f"{file.path} has other columns than {head.path}")
         file._check(start, rows)

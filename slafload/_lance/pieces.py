@@ -11,13 +11,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from slafload.pipeline.ranges import expand
+
+if TYPE_CHECKING:
+    from slafload._lance.flat_reads import Layout
 
 
 def pieces_kept(
@@ -69,6 +73,10 @@ class Job:
     keep: list[np.ndarray | None]  # each piece's kept runs, relative to its first row read
     live: list[tuple[int, int]]  # each piece's first dataset row and rows (with a table)
     live_keep: list[np.ndarray | None]  # ...and its kept runs in those rows
+    # What the flat pieces are read into (buffers, each with its columns' positions), if
+    # the read has them, and each piece's first row there.
+    layouts: tuple[tuple[Layout, tuple[int, ...]], ...] = ()
+    first: list[int] = field(default_factory=list)
 
     def named(self, table: pa.Table) -> pa.Table:
         """``table`` with the table's column names."""

@@ -171,6 +171,12 @@ class BytePool:
         """Bytes of the buffers kept."""
         return sum(len(h.array) for h in self._held)
 
+    @property
+    def in_use(self) -> int:
+        """Bytes of the kept buffers that a view still holds."""
+        with self._lock:
+            return sum(len(h.array) for h in self._held if sys.getrefcount(h.array) > _FREE)
+
     def take(self, n: int) -> np.ndarray:
         """``n`` bytes (uninitialised), reused where a kept buffer is free and large enough."""
         with self._lock:

@@ -2,7 +2,8 @@
 the chunk transforms and split it into compute pieces.
 
 A :class:`~slafload.types.Chunk` holds every expression row of its cells as flat numpy arrays
-in CSR layout.
+in CSR layout: views of the read's own buffers where a column's record batches lie back to
+back in memory (a fetch read flat, one scanned range), else a copy that concatenates them.
 It is built from exactly the rows of one fetch, so a cell never straddles two chunks, and the
 rows are checked against the cell ranges they were read for: data that contradicts
 ``cell_start_index`` or its cell order fails loudly here rather than silently shifting cells.
@@ -204,7 +205,35 @@ def _column(table: pa.Table, name: str) -> np.ndarray:
             f"expression column {name!r} holds {column.null_count} "
             "nulls; SLAF expression rows must be complete."
         )
-    return column.combine_chunks().to_numpy(zero_copy_only=False)
+    joined = _back_to_back(column)
+    return joined if joined is not None else column.combine_chunks().to_numpy(zero_copy_only=False)
+
+
+def _back_to_back(column: pa.ChunkedArray) -> np.ndarray | None:
+    """``column``'s values as one read-only array without a copy, where its chunks' values lie
+    back to back in memory (each ends where the next begins: the flat reader reads a fetch's
+    pieces into one buffer, and a scan of one range is one chunk); ``None`` where they do not
+    or the type is not a fixed-width number.
+
+    The array views the chunks' own memory and holds ``column``, so every byte it spans
+    stays alive with it: contiguity is all it needs, whatever allocated the chunks.
+    """
+    kind = column.type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind)):
+        return None
+    dtype = np.dtype(kind.to_pandas_dtype())
+    first = end = -1
+    for chunk in column.chunks:
+        if not len(chunk):
+            continue
+        at = chunk.buffers()[1].address + chunk.offset * dtype.itemsize
+        if end >= 0 and at != end:
+            return None
+        first = at if first < 0 else first
+        end = at + len(chunk) * dtype.itemsize
+    if first < 0:
+        return None
+    return np.frombuffer(pa.foreign_buffer(first, end - first, base=column), dtype)
 
 
 def sort_genes_within_cells(

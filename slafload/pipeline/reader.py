@@ -302,7 +302,9 @@ class Reader:
                 else ranges[i] if sparse[i] or ranged else None
                 for i in which.tolist()
             ]  # fmt: skip
-            per_span = files.read(spans[which], COLUMNS, keep)
+            # The chunk only checks the cell ids: their buffer goes back to the pool once
+            # the fetch is assembled, while the chunk keeps the genes' and values'.
+            per_span = files.read(spans[which], COLUMNS, keep, apart=COLUMNS[:1])
             return (
                 batches if kept is not None else _cut(batches, ranges[i], int(spans[i, 0]))
                 for batches, kept, i in zip(per_span, keep, which.tolist(), strict=True)
@@ -361,7 +363,8 @@ def _cut(
     if len(ranges) == 1:
         yield from batches  # the span is exactly one range
         return
-    # Zero-copy slices: the chunk stage copies the wanted rows once when it concatenates them.
+    # Zero-copy slices, apart in memory: the chunk stage copies the wanted rows once when it
+    # concatenates them.
     span = pa.Table.from_batches(list(batches))
     for a, b in (ranges - start).tolist():
         yield from _nonempty(span.slice(a, b - a).to_batches())

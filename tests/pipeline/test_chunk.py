@@ -15,6 +15,7 @@ from slafload import InconsistentDataError, open_dataset
 from slafload.pipeline.chunk import assemble, shuffle
 from slafload.pipeline.reader import Reader, ReadOptions
 from slafload.samplers import ChunkShuffle, Fetch
+from slafload.tools.optimize import optimize
 from slafload.tools.writer import CsrBlock, write_slaf
 
 
@@ -210,3 +211,43 @@ def test_the_order_check_finds_exactly_the_steps_inside_cells_that_do_not_go_up(
         want = [i for a, b in itertools.pairwise(indptr.tolist())
                 for i in range(a, b - 1) if genes[i + 1] <= genes[i]]  # fmt: skip
         assert _unordered_steps(genes, indptr).tolist() == want
+
+
+def test_a_column_whose_chunks_lie_back_to_back_is_taken_without_a_copy():
+    values = np.arange(1, 1001, dtype=np.uint32)
+    whole = pa.array(values)
+    touching = pa.chunked_array([whole.slice(0, 300), whole.slice(300, 0), whole.slice(300, 700)])
+    got = slafload.pipeline.chunk._back_to_back(touching)
+    assert got is not None and np.shares_memory(got, values)
+    np.testing.assert_array_equal(got, values)
+    assert not got.flags.writeable  # Arrow's memory: read-only, as combine_chunks' is
+    apart = pa.chunked_array([whole.slice(0, 300), whole.slice(301, 699)])  # a row skipped
+    swapped = pa.chunked_array([whole.slice(300, 700), whole.slice(0, 300)])
+    others = pa.chunked_array([whole.slice(0, 300), pa.array(values[300:].copy())])
+    for column in (apart, swapped, others, pa.chunked_array([], pa.uint32())):
+        assert slafload.pipeline.chunk._back_to_back(column) is None
+    assert slafload.pipeline.chunk._back_to_back(pa.chunked_array([[True, False]])) is None
+
+
+def test_a_block_fetch_read_flat_becomes_a_chunk_without_copying_its_rows(tmp_path):
+    # ~600 rows a cell: blocks far apart, each read on its own, by two read threads.
+    dense = random_counts(400, 2000, seed=8, density=0.3, empty_every=11)
+    path = write_dense(tmp_path / "t.slaf", dense)
+    optimize(path, progress=False, rows_per_file=20_000)  # Lance 2.0: the flat reader
+    ds = open_dataset(path)
+    fetch = Fetch(0, np.array([[300, 302], [12, 15], [100, 103], [390, 391], [60, 62]]))
+    reader = Reader(ds)
+    batches = list(reader.read(fetch))
+    assert len(batches) >= 4
+    chunk = assemble(fetch, batches, ds.cell_start)
+    want = assemble(fetch, Reader(ds, ReadOptions(direct=False)).read(fetch), ds.cell_start)
+    for name in ("indptr", "genes", "values", "cell_ids"):
+        np.testing.assert_array_equal(getattr(chunk, name), getattr(want, name), err_msg=name)
+    read_genes = batches[0].column("gene_integer_id").to_numpy()
+    assert np.shares_memory(chunk.genes, read_genes)  # the read's own buffer, not a copy
+    # The cell ids, only checked, had a buffer of their own: it is free once the read is
+    # dropped, while the chunk holds the genes' and values'.
+    pool = reader.data_files()._pool
+    del batches, read_genes
+    kept = chunk.genes.nbytes + chunk.values.nbytes
+    assert kept <= pool.in_use <= kept + 16 < pool.held
