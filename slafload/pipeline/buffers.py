@@ -159,6 +159,13 @@ class BytePool:
     large block the allocator frees goes back to the kernel). Buffers of up to ``keep``
     bytes in all are kept, whatever the dataset's size; a request that does not fit them
     gets a fresh array, dropped after use.
+
+    Buffers are allocated in size classes, eight to a doubling (:func:`size_class`: at most
+    an eighth more than asked): fetches of about the same rows then reuse each other's
+    buffers. Allocated at the exact size, each fetch a few rows larger than every free
+    buffer took a new one, and the pool grew toward ``keep`` over a long run (18 buffers
+    of ~6.5 MB, 101 MB, for ~37 MB in use after 400,000 cells of the peers benchmark's
+    pre-shuffled store).
     """
 
     def __init__(self, keep: int = 256 << 20):
@@ -185,14 +192,25 @@ class BytePool:
             if fits:
                 return min(fits, key=lambda h: len(h.array)).array[:n]
             for small in sorted(free, key=lambda h: len(h.array)):
-                if self.held + n <= self.keep:
+                if self.held + size_class(n) <= self.keep:
                     break
                 self._held.remove(small)  # free but too small: make room for a larger one
-            if self.held + n > self.keep:
+            size = size_class(n)
+            if self.held + size > self.keep:
                 return fresh(n, np.uint8)
-            held = _Held(fresh(n, np.uint8))
+            held = _Held(fresh(size, np.uint8))
             self._held.append(held)
             return held.array[:n]
+
+
+def size_class(n: int) -> int:
+    """``n`` rounded up to the next of eight sizes a doubling (``m * 2**k`` for ``m`` in 8..15),
+    at least 4 KiB: at most an eighth more than ``n``.
+    """
+    if n <= 4096:
+        return 4096
+    step = 1 << (n.bit_length() - 4)  # an eighth of the power of two at or below n
+    return -(-n // step) * step
 
 
 def _repad(

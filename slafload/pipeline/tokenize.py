@@ -7,7 +7,7 @@ loader's config (on the host, :class:`HostTokens`; on the training device,
 - on the producer, :func:`token_stages` builds the chain's token work from it, three stages
   named as the benchmark's stage profile names them: ``rank`` (:class:`TokenWorker`:
   :meth:`TokenStage.rows` of each piece with ``cell_integer_id`` and obs codes beside them,
-  :func:`with_obs`, one piece ahead on threads of its own), ``batch``
+  :func:`with_obs`, a piece ahead a thread, on threads of its own), ``batch``
   (:class:`~slafload.pipeline.batcher.Batches`) and ``layout`` (:class:`LayOut`:
   :meth:`TokenStage.finish` of each batch, in the loader's layout, :mod:`slafload.pipeline.layout`);
 - on the consumer, :meth:`TokenStage.consume` is the last step of every batch: a move to the
@@ -91,9 +91,11 @@ def token_stages(
     def work(piece: Chunk | Cut) -> Arrays:
         return with_obs(*tokens.rows(gather(piece)), obs)
 
+    # As many pieces ahead as workers: each has its next piece while the producer cuts the
+    # finished one into batches (docs/benchmarks.md, "How many of the 2 cores").
     workers = getattr(tokens, "workers", 1)
     s: Stage[Any] = observe(
-        "rank", TokenWorker(pieces, work, lookahead=1, prepare=gather, workers=workers)
+        "rank", TokenWorker(pieces, work, lookahead=workers, prepare=gather, workers=workers)
     )
     s = observe("batch", Batches(s, batch_size, drop_last=drop_last))
     return observe("layout", LayOut(s, tokens.finish, kernels))
@@ -190,7 +192,8 @@ class TokenWorker(Stage[Tagged[Any]]):
     while the producer cuts piece ``i`` into batches and assembles the next chunk (numpy and
     the compiled kernels release the GIL in their bulk work: both cores work; measured in
     docs/benchmarks.md); with two workers, piece ``i + 1`` is also worked on while the
-    producer waits for piece ``i``. Results come back
+    producer waits for piece ``i``, and with ``lookahead`` 2 (the chain's: one a worker)
+    pieces ``i + 1`` and ``i + 2`` go on while the producer cuts piece ``i``. Results come back
     in order, each with its piece's tag. The first piece goes out before the next is pulled,
     so the first batch of a run waits for nothing else. If pulling the next piece fails, the
     pieces already started are handed on first and the failure is raised after them; a

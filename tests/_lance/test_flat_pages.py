@@ -24,7 +24,7 @@ from slafload._lance.flat_pages import FlatFile
 from slafload._lance.flat_reads import FlatRange, read_ranges
 from slafload._lance.footer import PAGE
 from slafload.kernels import NUMPY, Kernels, numba_available, prepare_reads
-from slafload.pipeline.buffers import BytePool
+from slafload.pipeline.buffers import BytePool, size_class
 from slafload.pipeline.reader import COLUMNS
 from slafload.samplers import BlockShuffle
 from slafload.tools.optimize import optimize
@@ -243,27 +243,38 @@ def test_a_file_cut_short_after_opening_raises(tmp_path, backend):
 
 def test_byte_pool_reuses_a_buffer_once_no_view_of_it_is_alive():
     pool = BytePool(keep=1 << 20)
-    a = pool.take(1_000)
+    a = pool.take(10_000)
     view = a[10:20].view(np.uint16)
-    b = pool.take(500)
+    b = pool.take(5_000)
     assert not np.shares_memory(a, b)  # a is in use
+    assert pool.held == size_class(10_000) + size_class(5_000) == 10_240 + 5_120
     del a, view
-    c = pool.take(900)  # the first buffer is free again and large enough
-    assert pool.held == 1_500 and len(c) == 900
+    c = pool.take(9_000)  # the first buffer is free again and large enough
+    assert pool.held == 15_360 and len(c) == 9_000 and pool.in_use == 15_360
     table = pa.table({"x": pa.array(c[:8].view(np.uint64))})  # Arrow keeps it alive too
-    del c
-    d = pool.take(900)
-    assert pool.held == 1_500 + 900
+    del b, c
+    assert pool.in_use == 10_240
+    d = pool.take(10_100)  # rows a little over the first's, within its size class
+    assert pool.held == 15_360 + 10_240 and len(d) == 10_100
     del table, d
+    e = pool.take(10_200)  # ... reuse a free buffer of that class
+    assert pool.held == 25_600 and pool.in_use == 10_240 and len(e) == 10_200
     big = pool.take(2 << 20)  # beyond what is kept: fresh, not held
     assert len(big) == 2 << 20 and pool.held <= 1 << 20
 
 
 def test_byte_pool_drops_free_small_buffers_to_make_room():
-    pool = BytePool(keep=1_000)
-    pool.take(600)  # dropped at once: free
-    x = pool.take(900)
-    assert pool.held == 900 and len(x) == 900
+    pool = BytePool(keep=10_000)
+    pool.take(6_000)  # dropped at once: free
+    x = pool.take(9_000)
+    assert pool.held == size_class(9_000) and len(x) == 9_000
+
+
+def test_size_classes_are_at_most_an_eighth_above_the_request():
+    sizes = np.unique(np.geomspace(1, 1 << 34, 5_000).astype(np.int64)).tolist()
+    got = [size_class(n) for n in sizes]
+    assert all(n <= c <= max(4096, n * 9 / 8) for n, c in zip(sizes, got, strict=True))
+    assert len({size_class(n) for n in range((1 << 20) + 1, (1 << 21) + 1)}) == 8  # a doubling
 
 
 def test_run_without_start_never_starts_a_compile_thread():
@@ -368,7 +379,7 @@ def test_flat_reads_of_spans_read_only_the_rows_kept(atlas20):
         assert x.num_rows == y.num_rows == int((w[:, 1] - w[:, 0]).sum())
         assert x.num_rows == 0 or x.equals(y)
     row_bytes = sum(f.type.bit_width // 8 for f in schema)
-    assert flat._pool.held <= kept_rows * row_bytes + 64 * 8 * 3  # no gap rows were read
+    assert flat._pool.held <= size_class(kept_rows * row_bytes + 64 * 8 * 3)  # no gap rows
     assert flat._pool.held < (n - 2_600) * row_bytes / 10
 
 

@@ -187,14 +187,15 @@ def test_a_non_transient_failure_of_a_started_read_surfaces_in_result(small_slaf
 def test_a_read_ahead_of_one_range_runs_off_the_producer_while_earlier_batches_flow(
     small_slaf, monkeypatch
 ):
-    # Fetch 3's read waits for the consumer to hold cells of fetch 1: had it been read on
-    # the producer (which starts it before handing fetch 1 on), it would wait out its gate.
+    # Fetch 4's read waits for the consumer to hold cells of fetch 1: had it been read on
+    # the producer (which starts it before handing fetch 1 on: the token workers hold
+    # fetches 2 and 3 by then, and two reads are started ahead), it would wait out its gate.
     received, gate, opened, threads = [0], threading.Event(), [], set()
 
     class Gated(Reader):
         def read(self, fetch, **kw):
             threads.add(threading.current_thread().name.split("_")[0])
-            if fetch.index == 3:
+            if fetch.index == 4:
                 opened.append(gate.wait(10))
             yield from super().read(fetch, **kw)
 
