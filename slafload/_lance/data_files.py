@@ -282,7 +282,7 @@ class DataFiles(OpenFiles):
         whole fetch is assembled.
 
         Flat pieces are read into one buffer per read, each column's rows of all of them back
-        to back in range order (:meth:`_layout`), so the fetch's columns need no copy to be
+        to back in range order (:meth:`_layouts`), so the fetch's columns need no copy to be
         made one; the columns ``apart`` names get a buffer of their own, which goes back to
         the pool as soon as they are dropped, not when the rest is (local files: on an
         object store the columns' requests are coalesced together).
@@ -344,9 +344,9 @@ class DataFiles(OpenFiles):
 
         The pieces' rows (those kept) lie in them in piece order, so each column of the fetch
         they make is one run of memory, which the chunk takes without a copy
-        (:mod:`slafload.pipeline.chunk`). None where no file is read flat or the table's
-        columns are not all fixed-width numbers; a piece read otherwise leaves its rows of
-        the buffers unused.
+        (:mod:`slafload.pipeline.chunk`). No buffers where no file is read flat or the
+        table's columns are not all fixed-width numbers; a piece read otherwise (through
+        Lance) leaves its rows of the buffers unused.
         """
         if not self.flat or self.table is None:
             return (), []
@@ -440,7 +440,7 @@ class DataFiles(OpenFiles):
         layouts: Layouts = (), first: Sequence[int] = (),
     ) -> dict[int, pa.Table]:  # fmt: skip
         """The tables of the :class:`FlatRange` items of ``streams``, by position, all read
-        by one :func:`~slafload._lance.flat_reads.read_into` call a buffer: of a piece whose
+        by one :func:`~slafload._lance.flat_reads.read_into` call per buffer: of a piece whose
         ``keep`` names the rows it keeps (relative to the piece), those rows alone, each run
         its own read (a flat read costs ~0.03 ms, so reading through the gaps saves nothing:
         on the 5M atlas, ``BlockShuffle(1, 256)``'s coalesced spans were ~20x its rows, and
