@@ -20,6 +20,7 @@ from slafload.kernels import Kernels, numba_available
 from slafload.pipeline.buffers import RowBuffers, copy_aligned_runs
 from slafload.pipeline.ranking import rank_by_keys, rank_counts
 from slafload.tokenizers import quantile_bins
+from slafload.tokenizers.builtin import _mask
 from slafload.types import RankedChunk
 
 needs_numba = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
@@ -164,6 +165,23 @@ def test_compiled_repad_restores_padding_of_reused_rows(dtype, pad):
         assert (rows[~mask] == pad).all()
         rows[mask] = not pad if dtype is bool else 7  # write every token, as a tokenizer does
         del rows
+
+
+@needs_numba
+def test_compiled_attention_masks_are_true_exactly_before_each_rows_end():
+    # Rows reused piece after piece, longer and shorter: the kernel writes each row's true
+    # columns, the re-pad clears what a longer row left.
+    rng = np.random.default_rng(2)
+    buffers, kernels = RowBuffers(keep=1), Kernels("numba")
+    for n in (40, 40, 17, 40, 3):
+        ends = rng.integers(0, 31, n)
+        ends[: n // 4] = 30  # full rows
+        mask = _mask(buffers, ends, 30, kernels)
+        np.testing.assert_array_equal(mask, np.arange(30)[None, :] < ends[:, None])
+        assert mask.dtype == bool and mask.shape == (n, 30)
+        del mask
+    numpy = _mask(RowBuffers(), ends, 30)
+    np.testing.assert_array_equal(numpy, np.arange(30)[None, :] < ends[:, None])
 
 
 @needs_numba

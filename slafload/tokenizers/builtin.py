@@ -91,8 +91,22 @@ def copy_cell_tokens(
     copy_aligned_runs(pairs, dst, src, counts, kernels)
 
 
-def _mask(buffers: RowBuffers | None, ends: np.ndarray, width: int) -> np.ndarray:
-    """``attention_mask``: row ``i`` is true on its first ``ends[i]`` columns."""
+def _mask(
+    buffers: RowBuffers | None, ends: np.ndarray, width: int, kernels: Kernels = NUMPY
+) -> np.ndarray:
+    """``attention_mask``: row ``i`` is true on its first ``ends[i]`` columns (``ends`` at
+    most ``width``).
+
+    With compiled ``kernels`` and ``buffers``, only each row's true columns are written
+    (``fill_runs``; the buffers' re-pad clears what a longer row left before): on 2,048-cell
+    pieces of ~800 genes at width 2,048, 0.16 against 0.45 us a cell for the comparison of
+    every column below.
+    """
+    if buffers is not None and kernels.backend != "numpy":
+        mask = _padded(buffers, "attention_mask", ends, width, bool, False, kernels)
+        starts = np.arange(len(ends), dtype=np.int64) * width
+        if kernels.run("fill_runs", mask.reshape(-1), starts, starts + ends, True):
+            return mask
     mask = _padded(buffers, "attention_mask", np.full(len(ends), width), width, bool, False)
     # The smallest type holding 0..width, width included (a full row's end is width): a
     # quarter or less of int64's work.
@@ -142,7 +156,7 @@ class Geneformer:
         ids[:, 0] = CLS
         _fill_rows(ids, gene_tokens(ranked), ranked, width - 1, first_col=1, kernels=kernels)
         ids[fits, sep[fits]] = SEP
-        return {"input_ids": ids, "attention_mask": _mask(buffers, ends, width)}
+        return {"input_ids": ids, "attention_mask": _mask(buffers, ends, width, kernels)}
 
 
 class ScGPT:
@@ -193,7 +207,7 @@ class ScGPT:
         value_tokens = scgpt_value_tokens(self, ranked, kernels)
         _fill_rows(ids, tokens, ranked, limit, 1, (values, value_tokens), kernels=kernels)
         ids[np.arange(ranked.n_cells), sep] = SEP
-        return {"input_ids": ids, "attention_mask": _mask(buffers, sep + 1, width),
+        return {"input_ids": ids, "attention_mask": _mask(buffers, sep + 1, width, kernels),
                 "values": values}  # fmt: skip
 
 
