@@ -94,7 +94,8 @@ def test_compiled_rank_sort_equals_numpy(gene_type, value_type, top):
 @pytest.mark.parametrize(
     ("gene_type", "value_type", "top"),
     [(np.uint16, np.uint16, 40), (np.uint16, np.uint16, 65_535), (np.uint16, np.uint8, 255),
-     (np.int32, np.int64, 1 << 40), (np.int64, np.int32, 300)],
+     (np.int32, np.int64, 1 << 40), (np.int32, np.int64, (1 << 62) + 12_345),
+     (np.int64, np.int32, 300)],
 )  # fmt: skip  # counts within one pass's 256 buckets, and far beyond them
 def test_compiled_count_ranking_equals_numpy(gene_type, value_type, top):
     rng = np.random.default_rng(top)

@@ -194,7 +194,7 @@ def _rank_counts(genes: np.ndarray, values: np.ndarray, indptr: np.ndarray,
         src_g, src_v, dst_g, dst_v = og[:high], ov[:high], spare_genes[:high], spare_values[:high]
         digits, moved = hi - top, False  # the largest distance below hi in bucket 0
         shift, per = 0, count[0]
-        while digits >> shift:
+        while shift < 64 and digits >> shift:  # (a shift by 64 is undefined: x86 takes it as 0)
             per[:] = 0
             for j in range(high):
                 per[((hi - np.int64(src_v[j])) >> shift) & 255] += 1
