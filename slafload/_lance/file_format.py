@@ -28,11 +28,11 @@ from slafload._lance.flat_pages import (
     V2_1,
     FlatFile,
     _Column,
-    _dtype,
     _fixed,
     _open_fd,
     listed_pages,
 )
+from slafload._lance.flat_reads import _dtype
 from slafload._lance.footers import Footer, open_footers, read_footer
 from slafload.kernels import NUMPY, Kernels
 

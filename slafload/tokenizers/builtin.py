@@ -107,7 +107,8 @@ def _mask(
         starts = np.arange(len(ends), dtype=np.int64) * width
         if kernels.run("fill_runs", mask.reshape(-1), starts, starts + ends, True):
             return mask
-    mask = _padded(buffers, "attention_mask", np.full(len(ends), width), width, bool, False)
+    else:  # every column is written below
+        mask = _padded(buffers, "attention_mask", np.full(len(ends), width), width, bool, False)
     # The smallest type holding 0..width, width included (a full row's end is width): a
     # quarter or less of int64's work.
     small = np.min_scalar_type(width)
